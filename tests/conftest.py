@@ -1,0 +1,102 @@
+"""Shared fixtures: one throwaway Postgres database and one local Ray head per test session.
+
+Postgres: a database named memfit_test_<random> is created on 127.0.0.1:5432 (trust auth) and
+dropped at the end. With MEMFIT_REQUIRE_POSTGRES=1 (set by .ci/run) an unreachable server fails
+the session instead of skipping the Postgres tests.
+
+Ray: `ray_head` starts one head (`ray start --head --block` on free ports) for the whole session
+and stops exactly that one at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+
+PG_ADMIN_URL = os.environ.get("MEMFIT_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+ARTIFACTS = Path(os.environ.get("MEMFIT_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _pg_admin():
+    import psycopg
+
+    return psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5)
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """URL of a fresh, empty Postgres database for this test session."""
+    try:
+        admin = _pg_admin()
+    except Exception as exc:  # noqa: BLE001 - any connection failure means "no Postgres here"
+        if os.environ.get("MEMFIT_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"Postgres is required (MEMFIT_REQUIRE_POSTGRES=1) but unreachable: {exc}")
+        pytest.skip(f"Postgres at {PG_ADMIN_URL} is unreachable: {exc}")
+    name = f"memfit_test_{secrets.token_hex(4)}"
+    with admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    with _pg_admin() as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            (name,),
+        )
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+@pytest.fixture
+def fresh_pg_url(pg_url):
+    """A second, empty Postgres database for one test (e.g. migrations up/down)."""
+    name = f"memfit_test_{secrets.token_hex(4)}"
+    with _pg_admin() as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    with _pg_admin() as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            (name,),
+        )
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+@pytest.fixture(scope="session")
+def artifacts_dir() -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return ARTIFACTS
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """One local Ray head for the whole session (GCS address + Jobs API on free ports)."""
+    pytest.importorskip("ray", reason="the [train] extra is not installed")
+    from service.raycluster import LocalRayHead
+
+    log = tmp_path_factory.mktemp("ray") / "head.log"
+    head = LocalRayHead(num_cpus=8, log_path=log).start()
+    os.environ["RAY_ADDRESS"] = head.address
+    yield head
+    os.environ.pop("RAY_ADDRESS", None)
+    head.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_head):
+    """The test process connected to the shared head as a driver (for TorchTrainer.fit in tests)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address=ray_head.address,
+            runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "HF_HUB_OFFLINE": "1"}},
+            log_to_driver=False,
+        )
+    yield ray_head
+    ray.shutdown()
