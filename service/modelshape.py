@@ -1,0 +1,221 @@
+"""A model's shape, read from its Hugging Face config, and exact parameter counts from the shape.
+
+No torch here: the planner runs in the API process. Supported families: Llama, Mistral, Qwen2,
+Qwen3, GPT-2, Gemma, Gemma 2, Gemma 3 (text). Anything else raises :class:`UnsupportedModel`; a worker can then
+count the parameters on the meta device and hand the planner the counts instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
+SUPPORTED = LLAMA_LIKE | {"gpt2"}
+
+
+class UnsupportedModel(ValueError):
+    """The config's model_type is not one the planner knows how to read."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    family: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    norm: Literal["rmsnorm", "layernorm"]
+    mlp: Literal["swiglu", "geglu", "gelu"]
+    attention_bias: bool = False  # q, k, v (and o for llama's attention_bias) carry biases
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3 / gemma3: RMSNorm over head_dim on q and k
+    norms_per_layer: int = 2  # gemma2/3 add pre/post feed-forward norms
+    learned_positions: int = 0  # gpt2: wpe rows
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    # --- parameter counts -------------------------------------------------------------------
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def norm_params(self) -> int:
+        return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+    def attention_params(self) -> int:
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        n = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            n += q + 2 * kv
+        if self.o_bias:
+            n += h
+        if self.qk_norm:
+            n += 2 * self.head_dim
+        return n
+
+    def mlp_params(self) -> int:
+        h, i = self.hidden, self.intermediate
+        if self.mlp in ("swiglu", "geglu"):
+            n = 3 * h * i
+            if self.mlp_bias:
+                n += 2 * i + h
+            return n
+        return 2 * h * i + i + h  # gpt2 c_fc, c_proj with biases
+
+    def layer_params(self) -> int:
+        return self.attention_params() + self.mlp_params() + self.norms_per_layer * self.norm_params()
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + self.learned_positions * self.hidden
+
+    def lm_head_params(self) -> int:
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    def parameter_count(self) -> int:
+        return (
+            self.embedding_params()
+            + self.num_layers * self.layer_params()
+            + self.norm_params()  # final norm
+            + self.lm_head_params()
+        )
+
+    def largest_layer_params(self) -> int:
+        """The largest single module's parameters (DeepSpeed's ZeRO-3 estimator input): embedding or lm_head."""
+        return max(self.vocab * self.hidden, self.learned_positions * self.hidden, self.layer_params())
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear in one block, by the HF module name."""
+        h, i, q, kv = self.hidden, self.intermediate, self.q_dim, self.kv_dim
+        if self.family == "gpt2":
+            return {"c_attn": (h, 3 * h), "attn.c_proj": (h, h), "c_fc": (h, i), "mlp.c_proj": (i, h)}
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        """Trainable parameters of LoRA rank r on ``targets`` (module names) in every layer."""
+        shapes = self.linear_shapes()
+        n = 0
+        for name, (din, dout) in shapes.items():
+            short = name.split(".")[-1]
+            if name in targets or short in targets:
+                n += r * (din + dout)
+        return n * self.num_layers
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "total": self.parameter_count(),
+            "per_layer": self.layer_params(),
+            "largest_layer": self.largest_layer_params(),
+            "embedding": self.embedding_params(),
+            "lm_head": self.lm_head_params(),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["parameter_count"] = self.parameter_count()
+        return d
+
+
+def _get(cfg: dict, *names, default=None):
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    if default is not None:
+        return default
+    raise KeyError(names[0])
+
+
+def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
+    """Read a Hugging Face config dict (config.json contents)."""
+    if "text_config" in cfg and cfg.get("model_type") not in SUPPORTED:  # multimodal wrappers (gemma3)
+        cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+    family = cfg.get("model_type")
+    if family not in SUPPORTED:
+        raise UnsupportedModel(
+            f"model_type {family!r} is not one the planner reads ({', '.join(sorted(SUPPORTED))}); "
+            "count its parameters on the meta device instead"
+        )
+    try:
+        if family == "gpt2":
+            h = int(_get(cfg, "n_embd", "hidden_size"))
+            heads = int(_get(cfg, "n_head", "num_attention_heads"))
+            return ModelShape(
+                family=family,
+                num_layers=int(_get(cfg, "n_layer", "num_hidden_layers")),
+                hidden=h,
+                intermediate=int(cfg.get("n_inner") or 4 * h),
+                num_heads=heads,
+                num_kv_heads=heads,
+                head_dim=h // heads,
+                vocab=int(cfg["vocab_size"]),
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                norm="layernorm",
+                mlp="gelu",
+                attention_bias=True,
+                o_bias=True,
+                mlp_bias=True,
+                learned_positions=int(_get(cfg, "n_positions", "max_position_embeddings", default=1024)),
+            )
+        h = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or h // heads)
+        gemma = family.startswith("gemma")
+        tied_default = gemma or family == "qwen3"
+        return ModelShape(
+            family=family,
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden=h,
+            intermediate=int(cfg["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            vocab=int(cfg["vocab_size"]),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", tied_default)),
+            norm="rmsnorm",
+            mlp="geglu" if gemma else "swiglu",
+            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            o_bias=bool(cfg.get("attention_bias", False)) and family != "qwen2",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family in ("qwen3", "gemma3_text"),
+            norms_per_layer=4 if family in ("gemma2", "gemma3_text") else 2,
+        )
+    except KeyError as exc:
+        raise UnsupportedModel(f"config of a {family} model lacks {exc.args[0]!r}") from None
+
+
+def shape_from_path(path: str | Path) -> ModelShape:
+    """Read ``config.json`` from a model directory (or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UnsupportedModel(f"no config.json at {p}") from None
+    except json.JSONDecodeError as exc:
+        raise UnsupportedModel(f"{p} is not valid JSON: line {exc.lineno}: {exc.msg}") from None
+    return shape_from_config(cfg)
+
+
+def shape_for_model(model: str, model_path: str | None = None) -> ModelShape:
+    """A job spec's ``model`` (preset or local directory) → its shape."""
+    from service.presets import preset_config, preset_name
+
+    if preset_name(model) is not None:
+        return shape_from_config(preset_config(model))
+    return shape_from_path(model_path or model)

@@ -1,0 +1,85 @@
+"""Parameter counts from a config agree exactly with the real Hugging Face model on the meta device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from service.modelshape import UnsupportedModel, shape_from_config, shape_from_path
+from service.presets import PRESETS
+
+FAMILY_CONFIGS = {
+    "llama": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 3,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000, "tie_word_embeddings": False},
+    "llama-bias": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 500, "attention_bias": True,
+                   "mlp_bias": True, "tie_word_embeddings": True},
+    "mistral": {"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": False},
+    "qwen2": {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
+              "tie_word_embeddings": True},
+    "gpt2": {"model_type": "gpt2", "n_embd": 128, "n_layer": 3, "n_head": 4, "n_positions": 256, "vocab_size": 1000},
+    "gemma": {"model_type": "gemma", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 96, "vocab_size": 1000},
+    "gemma2": {"model_type": "gemma2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000},
+    "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000},
+}
+
+
+def _meta_model(cfg: dict):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS) + ["preset:" + p for p in sorted(PRESETS)])
+def test_parameter_count_matches_meta_model(name):
+    cfg = PRESETS[name[7:]] if name.startswith("preset:") else FAMILY_CONFIGS[name]
+    cfg = {k: v for k, v in cfg.items() if k != "architectures"}
+    model = _meta_model(cfg)
+    shape = shape_from_config(cfg)
+    # model.parameters() de-duplicates tied weights, as the optimizer sees them.
+    assert shape.parameter_count() == sum(p.numel() for p in model.parameters())
+    layer = model.base_model.layers[0] if hasattr(model.base_model, "layers") else model.base_model.h[0]
+    assert shape.layer_params() == sum(p.numel() for p in layer.parameters())
+    embed = model.get_input_embeddings()
+    assert shape.vocab * shape.hidden == embed.weight.numel()
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    assert shape.largest_layer_params() >= largest
+
+
+def test_lora_trainable_count_matches_peft():
+    pytest.importorskip("peft")
+    import peft
+
+    cfg = {k: v for k, v in PRESETS["small-qwen2"].items() if k != "architectures"}
+    model = _meta_model(cfg)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert shape_from_config(cfg).lora_params(8, targets) == trainable
+
+
+def test_reads_config_json_and_rejects_unknown(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(FAMILY_CONFIGS["mistral"]))
+    shape = shape_from_path(tmp_path)
+    assert (shape.family, shape.num_kv_heads, shape.head_dim) == ("mistral", 2, 32)
+    with pytest.raises(UnsupportedModel, match="t5"):
+        shape_from_config({"model_type": "t5"})
+    (tmp_path / "config.json").write_text("{bad")
+    with pytest.raises(UnsupportedModel, match="line 1"):
+        shape_from_path(tmp_path)
+
+
+def test_llama2_7b_count():
+    cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000, "tie_word_embeddings": False}
+    assert shape_from_config(cfg).parameter_count() == 6_738_415_616
