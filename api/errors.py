@@ -1,0 +1,126 @@
+"""The one exception handler: every error leaves as RFC 9457 ``application/problem+json``.
+
+Body: ``type, title, status, detail, instance`` plus memfit's ``code``, ``param`` and ``errors[]``
+(every problem when several are reported together), and OpenAI's ``error: {message, type, param,
+code}`` so the openai client raises the matching exception class.
+
+Status codes: 400 the request could not be read (malformed JSON body or multipart, a dataset file
+that is not valid JSONL); 401 missing/invalid/revoked key; 404 unknown or another tenant's object;
+409 illegal state transition or an Idempotency-Key still in flight; 413 upload over the limit;
+422 a well-formed request whose values are wrong (spec fields, unknown fields, cross-field rules,
+model, purpose, limit, cursor, Idempotency-Key reused with another body).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.errors import DomainError
+
+log = logging.getLogger("memfit.api")
+PROBLEM_BASE = "https://memfit.dev/problems/"
+_OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def problem_response(
+    request: Request,
+    *,
+    status: int,
+    code: str,
+    title: str,
+    detail: str,
+    param: str | None = None,
+    errors: list[dict[str, Any]] | None = None,
+    openai_type: str | None = None,
+    headers: dict[str, str] | None = None,
+    retryable: bool = False,
+) -> JSONResponse:
+    body = {
+        "type": PROBLEM_BASE + code,
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "instance": request.url.path,
+        "code": code,
+        "param": param,
+        "errors": errors or [],
+        "error": {
+            "message": detail,
+            "type": openai_type or _OPENAI_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "param": param,
+            "code": code,
+        },
+    }
+    out = {"x-should-retry": "true" if retryable else "false", **(headers or {})}
+    if status == 401:
+        out["WWW-Authenticate"] = 'Bearer realm="memfit"'
+    return JSONResponse(body, status_code=status, headers=out, media_type="application/problem+json")
+
+
+async def _domain(request: Request, exc: DomainError) -> JSONResponse:
+    return problem_response(
+        request, status=exc.status, code=exc.code, title=exc.title, detail=exc.message, param=exc.param,
+        errors=exc.errors, openai_type=exc.openai_type, headers=exc.headers, retryable=exc.retryable,
+    )
+
+
+def _loc_param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    return ".".join(parts) or None
+
+
+async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    raw = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in raw):
+        detail = "The request body is not valid JSON"
+        ctx = next(e for e in raw if e.get("type") == "json_invalid").get("ctx") or {}
+        if ctx.get("error"):
+            detail += f": {ctx['error']}"
+        return problem_response(request, status=400, code="invalid_json", title="Bad request", detail=detail)
+    problems = []
+    for e in raw:
+        unknown = e.get("type") == "extra_forbidden"
+        problems.append({
+            "param": _loc_param(tuple(e.get("loc", ()))) or "body",
+            "message": "unknown field" if unknown else e.get("msg", "invalid value"),
+            "code": "unknown_field" if unknown else "invalid_value",
+        })
+    detail = "; ".join(f"{p['param']}: {p['message']}" for p in problems)
+    return problem_response(
+        request, status=422, code=problems[0]["code"] if len(problems) == 1 else "invalid_value",
+        title="Unprocessable entity", detail=detail, param=problems[0]["param"], errors=problems,
+    )
+
+
+async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return problem_response(
+        request, status=exc.status_code, code=codes.get(exc.status_code, f"http_{exc.status_code}"),
+        title=str(exc.detail) if exc.status_code != 404 else "Not found",
+        detail=str(exc.detail), headers=dict(exc.headers or {}),
+    )
+
+
+async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return problem_response(
+        request, status=500, code="internal_error", title="Internal server error",
+        detail="The server failed to process the request", retryable=True,
+    )
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(DomainError, _domain)
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(Exception, _unhandled)

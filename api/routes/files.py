@@ -1,0 +1,108 @@
+"""/v1/files: multipart upload (streamed, size-limited), list, get, content, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from api.deps import PrincipalDep, SessionDep, SettingsDep
+from api.schemas import FileDeletedPublic, FilePublic, ListPublic, file_public, page_public
+from service import files
+from service.errors import BadRequest, PayloadTooLarge
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+# Room for the multipart boundaries and the small `purpose` field around the file itself.
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
+
+_UPLOAD_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary", "description": "JSONL dataset"},
+                        "purpose": {"type": "string", "enum": ["fine-tune"]},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post("", response_model=FilePublic, openapi_extra=_UPLOAD_SCHEMA)
+async def upload_file(request: Request, session: SessionDep, principal: PrincipalDep, settings: SettingsDep):
+    limit = settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"file is larger than the limit of {settings.max_upload_bytes} bytes", param="file")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise BadRequest("Upload the file as multipart/form-data with fields 'file' and 'purpose'", param="file")
+
+    async def limited():
+        seen = 0
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > limit:  # stop reading: an oversized body never reaches the disk
+                raise PayloadTooLarge(f"file is larger than the limit of {settings.max_upload_bytes} bytes", param="file")
+            yield chunk
+
+    parser = MultiPartParser(request.headers, limited(), max_files=1, max_fields=8)
+    try:
+        form = await parser.parse()
+    except MultiPartException as exc:
+        raise BadRequest(f"Malformed multipart body: {exc.message}", param="file") from None
+    try:
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise BadRequest("Missing the 'file' part of the multipart body", param="file")
+        row = await run_in_threadpool(_store, session, principal, settings, upload, form.get("purpose"))
+    finally:
+        await form.close()
+    return file_public(row)
+
+
+def _store(session, principal, settings, upload, purpose):
+    row = files.create_file(
+        session, principal, settings, filename=upload.filename, purpose=purpose, fileobj=upload.file
+    )
+    session.commit()
+    return row
+
+
+@router.get("", response_model=ListPublic[FilePublic])
+def list_files(
+    session: SessionDep,
+    principal: PrincipalDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    purpose: str | None = None,
+):
+    page = files.list_files(session, principal, after=after, limit=limit, purpose=purpose)
+    return page_public([file_public(f) for f in page], page.has_more)
+
+
+@router.get("/{file_id}", response_model=FilePublic)
+def get_file(file_id: str, session: SessionDep, principal: PrincipalDep):
+    return file_public(files.get_file(session, principal, file_id))
+
+
+@router.get("/{file_id}/content", response_class=FileResponse)
+def file_content(file_id: str, session: SessionDep, principal: PrincipalDep):
+    row = files.get_file(session, principal, file_id)
+    return FileResponse(row.path, media_type="application/jsonl", filename=row.filename)
+
+
+@router.delete("/{file_id}", response_model=FileDeletedPublic)
+def delete_file(file_id: str, session: SessionDep, principal: PrincipalDep):
+    files.delete_file(session, principal, file_id)
+    session.commit()
+    return FileDeletedPublic(id=file_id)

@@ -1,0 +1,104 @@
+"""/v1/fine_tuning/jobs: create (Idempotency-Key), list, get, cancel, pause, resume, events, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Header, Query, Request
+from fastapi.responses import JSONResponse
+
+from api.deps import PrincipalDep, SessionDep, SettingsDep
+from api.schemas import (
+    CheckpointPublic,
+    EventPublic,
+    JobPublic,
+    ListPublic,
+    checkpoint_public,
+    event_public,
+    job_public,
+    job_public_dict,
+    page_public,
+)
+from service import jobs
+from service.errors import UnprocessableEntity
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+
+Limit = Annotated[int, Query(ge=1, le=jobs.MAX_LIMIT, description="Page size, 1 to 100.")]
+
+
+@router.post("", response_model=JobPublic)
+def create_job(
+    request: Request,
+    session: SessionDep,
+    principal: PrincipalDep,
+    settings: SettingsDep,
+    body: Annotated[Any, Body(description="OpenAI's create body plus memfit's `training` object (service.spec.JobSpec).")],
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+):
+    created = jobs.create_job(
+        session, principal, settings, body,
+        render=job_public_dict, idempotency_key=idempotency_key, known_gpus=request.app.state.known_gpus,
+    )
+    headers = {"Idempotent-Replayed": "true"} if created.replayed else None
+    return JSONResponse(created.body, status_code=created.status_code, headers=headers)
+
+
+def _metadata_filter(request: Request) -> dict[str, str]:
+    out = {}
+    for key, value in request.query_params.multi_items():
+        if key.startswith("metadata[") and key.endswith("]"):
+            name = key[len("metadata["):-1]
+            if not name:
+                raise UnprocessableEntity("metadata filter needs a key: metadata[key]=value", param=key)
+            out[name] = value
+    return out
+
+
+@router.get("", response_model=ListPublic[JobPublic])
+def list_jobs(
+    request: Request,
+    session: SessionDep,
+    principal: PrincipalDep,
+    after: str | None = None,
+    limit: Limit = 20,
+    status: str | None = None,
+):
+    page = jobs.list_jobs(
+        session, principal, after=after, limit=limit, metadata=_metadata_filter(request), status=status
+    )
+    return page_public([job_public(j) for j in page], page.has_more)
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def get_job(job_id: str, session: SessionDep, principal: PrincipalDep):
+    return job_public(jobs.get_job(session, principal, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(job_id: str, session: SessionDep, principal: PrincipalDep):
+    return job_public(jobs.cancel_job(session, principal, job_id))
+
+
+@router.post("/{job_id}/pause", response_model=JobPublic)
+def pause_job(job_id: str, session: SessionDep, principal: PrincipalDep):
+    return job_public(jobs.pause_job(session, principal, job_id))
+
+
+@router.post("/{job_id}/resume", response_model=JobPublic)
+def resume_job(job_id: str, session: SessionDep, principal: PrincipalDep):
+    return job_public(jobs.resume_job(session, principal, job_id))
+
+
+@router.get("/{job_id}/events", response_model=ListPublic[EventPublic])
+def list_events(job_id: str, session: SessionDep, principal: PrincipalDep, after: str | None = None, limit: Limit = 20):
+    page = jobs.list_events(session, principal, job_id, after=after, limit=limit)
+    return page_public([event_public(e) for e in page], page.has_more)
+
+
+@router.get("/{job_id}/checkpoints", response_model=ListPublic[CheckpointPublic])
+def list_checkpoints(
+    job_id: str, session: SessionDep, principal: PrincipalDep, after: str | None = None, limit: Limit = 10
+):
+    page = jobs.list_checkpoints(session, principal, job_id, after=after, limit=limit)
+    return page_public([checkpoint_public(c) for c in page], page.has_more)

@@ -1,0 +1,184 @@
+"""Response models (`*Public`): the shapes of OpenAI's fine-tuning API plus memfit's extensions.
+
+Route handlers turn store rows into these with the ``*_public`` functions below; nothing else in
+``api/`` knows the row layout.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, Field
+
+from service.models import Checkpoint, File, Job, JobEvent
+from service.spec import JobSpec
+
+T = TypeVar("T")
+
+
+def ts(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value is not None else None
+
+
+class ListPublic(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+def page_public(items: list[Any], has_more: bool) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": items,
+        "has_more": has_more,
+        "first_id": items[0].id if items else None,
+        "last_id": items[-1].id if items else None,
+    }
+
+
+class FilePublic(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str = "processed"
+    status_details: str | None = None
+    format: str | None = Field(None, description="memfit: chat | prompt_completion | text")
+    rows: int | None = Field(None, description="memfit: examples in the file")
+
+
+def file_public(f: File) -> FilePublic:
+    return FilePublic(
+        id=f.id, bytes=f.bytes, created_at=ts(f.created_at), filename=f.filename, purpose=f.purpose,
+        status=f.status, format=f.format, rows=f.rows,
+    )
+
+
+class FileDeletedPublic(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class HyperparametersPublic(BaseModel):
+    n_epochs: int
+    batch_size: int
+    learning_rate_multiplier: float
+
+
+class JobErrorPublic(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    rank: int | None = None
+    step: int | None = None
+    phase: str | None = None
+    details: dict[str, Any] | None = None
+
+
+class JobPublic(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    finished_at: int | None
+    estimated_finish: int | None
+    model: str
+    fine_tuned_model: str | None
+    organization_id: str
+    training_file: str
+    validation_file: str | None
+    result_files: list[str]
+    seed: int | None
+    suffix: str | None
+    trained_tokens: int | None
+    hyperparameters: HyperparametersPublic
+    method: dict[str, Any]
+    metadata: dict[str, str] | None
+    integrations: list[dict[str, Any]] | None
+    status: str = Field(..., description="OpenAI's statuses plus 'paused'")
+    error: JobErrorPublic | None
+    training: dict[str, Any] = Field(..., description="memfit: the resolved `training` extension of the spec")
+    attempt: int = Field(..., description="memfit: run attempt, incremented on each scheduler claim")
+    desired_state: str | None = Field(None, description="memfit: a pending 'pause' or 'cancel' request")
+    memory: dict[str, Any] | None = Field(None, description="memfit: predicted and measured memory summary")
+
+
+def job_public(job: Job) -> JobPublic:
+    spec = JobSpec.model_validate(job.spec)
+    r = spec.resolved()
+    hp = HyperparametersPublic(
+        n_epochs=r.n_epochs, batch_size=r.global_batch_size, learning_rate_multiplier=r.learning_rate_multiplier
+    )
+    memory = job.memory_summary
+    if memory is None and job.plan is not None:
+        memory = {"plan": job.plan}
+    return JobPublic(
+        id=job.id,
+        created_at=ts(job.created_at),
+        finished_at=ts(job.finished_at),
+        estimated_finish=ts(job.estimated_finish),
+        model=job.model,
+        fine_tuned_model=job.fine_tuned_model,
+        organization_id=job.tenant_id,
+        training_file=job.training_file,
+        validation_file=job.validation_file,
+        result_files=list(job.result_files or []),
+        seed=job.seed,
+        suffix=job.suffix,
+        trained_tokens=job.trained_tokens,
+        hyperparameters=hp,
+        method={"type": "supervised", "supervised": {"hyperparameters": hp.model_dump()}},
+        metadata=job.metadata_,
+        integrations=spec.integrations,
+        status=job.status,
+        error=JobErrorPublic.model_validate(job.error) if job.error else None,
+        training=spec.training.model_dump(mode="json"),
+        attempt=job.attempt,
+        desired_state=job.desired_state,
+        memory=memory,
+    )
+
+
+def job_public_dict(job: Job) -> dict[str, Any]:
+    return job_public(job).model_dump(mode="json")
+
+
+class EventPublic(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: str
+    message: str
+    type: str
+    data: dict[str, Any] | None = None
+    attempt: int | None = None
+
+
+def event_public(e: JobEvent) -> EventPublic:
+    return EventPublic(
+        id=f"ftevent-{e.id}", created_at=ts(e.created_at), level=e.level, message=e.message, type=e.type,
+        data=e.data, attempt=e.attempt,
+    )
+
+
+class CheckpointPublic(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    step_number: int
+    metrics: dict[str, Any]
+    attempt: int
+
+
+def checkpoint_public(c: Checkpoint) -> CheckpointPublic:
+    return CheckpointPublic(
+        id=c.id, created_at=ts(c.created_at), fine_tuned_model_checkpoint=c.path, fine_tuning_job_id=c.job_id,
+        step_number=c.step, metrics={"step": c.step, **(c.metrics or {})}, attempt=c.attempt,
+    )

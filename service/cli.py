@@ -1,0 +1,112 @@
+"""The `memfit` command.
+
+Each feature owns a typer sub-app and adds it here with one line, e.g.
+``app.add_typer(scheduler_app, name="scheduler")``. Imports stay inside commands so `memfit --help`
+is fast and never pulls in FastAPI, Ray or torch.
+"""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="memfit: fine-tuning jobs that say where the memory went.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys (one tenant per name).", no_args_is_help=True)
+db_app = typer.Typer(help="Database schema (Alembic).", no_args_is_help=True)
+console = Console()
+err = Console(stderr=True)
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    port: int = typer.Option(8000, help="TCP port."),
+    workers: int = typer.Option(1, help="uvicorn worker processes."),
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+) -> None:
+    """Start the API (SQLite embedded mode migrates itself; on Postgres run `memfit db upgrade` first)."""
+    import uvicorn
+
+    from service.settings import get_settings
+
+    get_settings()  # refuse unsafe settings before binding the port
+    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
+
+
+def _sessions():
+    from service import db
+    from service.settings import ensure_dirs, get_settings
+
+    settings = get_settings()
+    ensure_dirs(settings)
+    if settings.is_sqlite:
+        db.upgrade(settings.database_url)
+    return db.make_sessionmaker(db.make_engine(settings.database_url))
+
+
+@keys_app.command("create")
+def keys_create(tenant: str = typer.Option(..., "--tenant", help="Tenant name; created if new.")) -> None:
+    """Create an API key and print it once (only its hash is stored)."""
+    from service import auth
+    from service.db import session_scope
+
+    with session_scope(_sessions()) as session:
+        issued = auth.create_key(session, tenant)
+    err.print(f"tenant {issued.tenant_name} ({issued.tenant_id}); key prefix {issued.prefix}. "
+              "Store the key now: it is not shown again.")
+    print(issued.key)
+
+
+@keys_app.command("revoke")
+def keys_revoke(prefix: str = typer.Argument(..., help="The key's visible prefix, e.g. mf_live_Ab3dE9xQ.")) -> None:
+    """Revoke a key: requests with it get 401 from now on."""
+    from service import auth
+    from service.db import session_scope
+    from service.errors import NotFound
+
+    try:
+        with session_scope(_sessions()) as session:
+            auth.revoke_key(session, prefix)
+    except NotFound as exc:
+        err.print(f"[red]{exc.message}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"revoked {prefix}")
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """List keys by prefix (the keys themselves are never stored)."""
+    from rich.table import Table
+
+    from service import auth
+    from service.db import session_scope
+
+    table = Table("prefix", "tenant", "created", "revoked")
+    with session_scope(_sessions()) as session:
+        for key, tenant in auth.list_keys(session):
+            table.add_row(key.prefix, tenant.name, str(key.created_at), str(key.revoked_at or ""))
+    console.print(table)
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = typer.Argument("head")) -> None:
+    """Apply migrations to MEMFIT_DATABASE_URL."""
+    from service import db
+    from service.settings import ensure_dirs, get_settings
+
+    settings = get_settings()
+    ensure_dirs(settings)
+    db.upgrade(settings.database_url, revision)
+    console.print(f"database at {revision}")
+
+
+app.add_typer(keys_app, name="keys")
+app.add_typer(db_app, name="db")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Engine, sessions and migrations.
+
+SQLite (the embedded default) gets WAL, foreign keys and a busy timeout on every connection;
+Postgres goes through psycopg 3. Schema changes only ever come from Alembic (:func:`upgrade`);
+``create_all`` is for nothing but throwaway test databases.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.orm import Session, sessionmaker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def normalize_url(url: str) -> str:
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def make_engine(url: str, *, pool_size: int = 20, echo: bool = False) -> Engine:
+    url = normalize_url(url)
+    if url.startswith("sqlite"):
+        engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn, _record):
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        return engine
+    return create_engine(url, echo=echo, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """One transaction: commit on success, roll back on any exception."""
+    session = factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    cfg = Config(str(ROOT / "alembic.ini"))
+    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    cfg.attributes["url"] = normalize_url(url)
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """`alembic upgrade head` on ``url``, programmatically (the app calls it for embedded SQLite)."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def head_revision() -> str | None:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+def ping(engine: Engine) -> None:
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+
+
+class Page(list):
+    """One page of a cursor-paginated listing: the rows, plus whether more follow."""
+
+    def __init__(self, items, has_more: bool):
+        super().__init__(items)
+        self.has_more = has_more
+
+
+def insert_ignoring_conflicts(session: Session, model, rows: list[dict], conflict_columns: list[str]) -> int:
+    """INSERT … ON CONFLICT (conflict_columns) DO NOTHING on Postgres and SQLite; returns rows inserted."""
+    if not rows:
+        return 0
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    pk = model.__table__.primary_key.columns.values()[0]
+    stmt = insert(model).on_conflict_do_nothing(index_elements=conflict_columns).returning(pk)
+    # Batched "insertmanyvalues" with RETURNING: the returned rows are exactly those inserted.
+    return len(session.execute(stmt, rows).all()) if len(rows) > 1 else len(session.execute(stmt, rows[0]).all())

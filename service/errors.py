@@ -1,0 +1,133 @@
+"""Domain errors. Service functions raise these; api/errors.py maps each to one HTTP answer.
+
+Every error carries what the HTTP layer needs and nothing HTTP-specific beyond the status number:
+a stable machine-readable ``code``, the offending ``param`` (dotted path, or None), optional
+``errors`` (several problems reported together) and an OpenAI error ``type``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DomainError(Exception):
+    status: int = 400
+    code: str = "invalid_request"
+    title: str = "Bad request"
+    openai_type: str = "invalid_request_error"
+    retryable: bool = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        errors: list[dict[str, Any]] | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.errors = errors or []
+        self.headers = headers or {}
+
+
+class BadRequest(DomainError):
+    status, code, title = 400, "invalid_request", "Bad request"
+
+
+class InvalidFile(BadRequest):
+    """An uploaded file that is not valid JSONL for fine-tuning; the message names the line."""
+
+    code, title = "invalid_file", "Invalid file"
+
+
+class Unauthorized(DomainError):
+    status, code, title, openai_type = 401, "invalid_api_key", "Unauthorized", "authentication_error"
+
+
+class NotFound(DomainError):
+    status, code, title = 404, "not_found", "Not found"
+
+
+class JobNotFound(NotFound):
+    code, title = "job_not_found", "Job not found"
+
+    def __init__(self, job_id: str, *, param: str | None = None):
+        super().__init__(f"No fine-tuning job with id {job_id!r}", param=param)
+        self.job_id = job_id
+
+
+class FileNotFound(NotFound):
+    code, title = "file_not_found", "File not found"
+
+    def __init__(self, file_id: str, *, param: str | None = None):
+        super().__init__(f"No file with id {file_id!r}", param=param)
+        self.file_id = file_id
+
+
+class Conflict(DomainError):
+    status, code, title = 409, "conflict", "Conflict"
+
+
+class InvalidTransition(Conflict):
+    code, title = "invalid_transition", "Invalid state transition"
+
+    def __init__(self, job_id: str, current: str | None, to: str, message: str | None = None):
+        super().__init__(message or f"Job {job_id} is {current}; it cannot become {to}")
+        self.job_id, self.current, self.to = job_id, current, to
+
+
+class StaleAttempt(Conflict):
+    """A writer holding an old attempt number tried to change a job that has moved on."""
+
+    code, title = "stale_attempt", "Stale attempt"
+
+    def __init__(self, job_id: str, expected: int, actual: int):
+        super().__init__(f"Job {job_id} is on attempt {actual}, not {expected}")
+        self.job_id, self.expected, self.actual = job_id, expected, actual
+
+
+class IdempotencyInFlight(Conflict):
+    code, title, retryable = "idempotency_key_in_use", "Request in progress", True
+
+    def __init__(self, key: str):
+        super().__init__(
+            f"A request with Idempotency-Key {key!r} is still being processed; retry later",
+            param="Idempotency-Key",
+            headers={"Retry-After": "1"},
+        )
+
+
+class UnprocessableEntity(DomainError):
+    status, code, title = 422, "invalid_value", "Unprocessable entity"
+
+
+class SpecInvalid(UnprocessableEntity):
+    """A job body with one or more problems; all of them are in ``errors``, the first in ``param``."""
+
+    code, title = "invalid_spec", "Invalid job spec"
+
+    def __init__(self, problems: list[dict[str, Any]]):
+        first = problems[0] if problems else {"param": None, "message": "invalid job spec"}
+        message = "; ".join(f"{p['param']}: {p['message']}" for p in problems) or first["message"]
+        super().__init__(message, param=first.get("param"), errors=problems)
+        if len(problems) == 1 and problems[0].get("code"):
+            self.code = problems[0]["code"]
+
+
+class IdempotencyMismatch(UnprocessableEntity):
+    code, title = "idempotency_key_reused", "Idempotency-Key reused"
+
+    def __init__(self, key: str):
+        super().__init__(
+            f"Idempotency-Key {key!r} was already used with a different request body",
+            param="Idempotency-Key",
+        )
+
+
+class PayloadTooLarge(DomainError):
+    status, code, title = 413, "file_too_large", "Payload too large"

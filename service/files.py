@@ -1,0 +1,113 @@
+"""Uploaded files: stored under ``settings.storage_dir/files/<tenant>/``, validated line by line.
+
+The size limit is enforced while copying (the API also stops reading the request body once it is
+over), so an oversized upload never fills the disk; a file that is not valid JSONL for one of the
+three dataset formats is refused with the offending line number and never stored.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import BinaryIO
+
+from sqlalchemy import select, tuple_
+from sqlalchemy.orm import Session
+
+from service.auth import Principal
+from service.datafmt import DataError, validate_jsonl
+from service.db import Page
+from service.errors import FileNotFound, InvalidFile, PayloadTooLarge, UnprocessableEntity
+from service.models import File, new_id
+from service.settings import Settings
+
+PURPOSES = ("fine-tune",)
+CHUNK = 1024 * 1024
+
+
+def _tenant_dir(settings: Settings, tenant_id: str) -> Path:
+    return settings.storage_dir / "files" / tenant_id
+
+
+def create_file(
+    session: Session,
+    principal: Principal,
+    settings: Settings,
+    *,
+    filename: str | None,
+    purpose: str | None,
+    fileobj: BinaryIO,
+) -> File:
+    """Copy ``fileobj`` into storage (≤ settings.max_upload_bytes), validate it, record it. Caller commits."""
+    if purpose not in PURPOSES:
+        raise UnprocessableEntity(
+            f"purpose must be 'fine-tune', got {purpose!r}", param="purpose", code="invalid_purpose"
+        )
+    name = os.path.basename(filename or "") or "upload.jsonl"
+    file_id = new_id("file-")
+    directory = _tenant_dir(settings, principal.tenant_id)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{file_id}.jsonl"
+    partial = directory / f".{file_id}.part"
+    size = 0
+    try:
+        with partial.open("wb") as out:
+            while chunk := fileobj.read(CHUNK):
+                size += len(chunk)
+                if size > settings.max_upload_bytes:
+                    raise PayloadTooLarge(
+                        f"file is larger than the limit of {settings.max_upload_bytes} bytes", param="file"
+                    )
+                out.write(chunk)
+        try:
+            summary = validate_jsonl(partial)
+        except DataError as exc:
+            raise InvalidFile(f"Invalid JSONL in {name!r}: {exc}", param="file") from None
+        os.replace(partial, final)
+    finally:
+        partial.unlink(missing_ok=True)
+    row = File(
+        id=file_id,
+        tenant_id=principal.tenant_id,
+        filename=name[:512],
+        purpose=purpose,
+        bytes=size,
+        path=str(final),
+        format=summary.format,
+        rows=summary.rows,
+        status="processed",
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get_file(session: Session, principal: Principal, file_id: str, *, param: str | None = None) -> File:
+    """The tenant's file, or FileNotFound (also for another tenant's id)."""
+    row = session.get(File, file_id)
+    if row is None or row.tenant_id != principal.tenant_id:
+        raise FileNotFound(file_id, param=param)
+    return row
+
+
+def list_files(
+    session: Session, principal: Principal, *, after: str | None = None, limit: int = 20, purpose: str | None = None
+) -> Page:
+    """Newest first; ``after`` is the last id of the previous page."""
+    q = select(File).where(File.tenant_id == principal.tenant_id)
+    if purpose:
+        q = q.where(File.purpose == purpose)
+    if after:
+        cursor = session.get(File, after)
+        if cursor is None or cursor.tenant_id != principal.tenant_id:
+            raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
+        q = q.where(tuple_(File.created_at, File.id) < tuple_(cursor.created_at, cursor.id))
+    rows = list(session.scalars(q.order_by(File.created_at.desc(), File.id.desc()).limit(limit + 1)))
+    return Page(rows[:limit], has_more=len(rows) > limit)
+
+
+def delete_file(session: Session, principal: Principal, file_id: str) -> None:
+    row = get_file(session, principal, file_id)
+    session.delete(row)
+    session.flush()
+    Path(row.path).unlink(missing_ok=True)

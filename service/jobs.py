@@ -1,0 +1,464 @@
+"""Job service: what the routes call (create, list, get, cancel, pause, resume, events, checkpoints)
+and the store functions the scheduler and the ingest path build on (events, checkpoints, memory
+samples, fenced field updates). Every status change goes through service.states.transition.
+
+Write functions commit their own unit of work (create_job commits twice when it holds an
+Idempotency-Key: once to claim the key, once with the job and the saved answer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from sqlalchemy import delete, select, tuple_, update
+from sqlalchemy.orm import Session
+
+from service.auth import Principal
+from service.db import Page, insert_ignoring_conflicts
+from service.errors import (
+    BadRequest,
+    IdempotencyInFlight,
+    IdempotencyMismatch,
+    InvalidTransition,
+    JobNotFound,
+    SpecInvalid,
+    StaleAttempt,
+    UnprocessableEntity,
+)
+from service.files import get_file
+from service.models import MEMORY_BYTE_COLUMNS, Checkpoint, IdempotencyKey, Job, JobEvent, MemorySample, new_id, utcnow
+from service.presets import PRESETS, preset_name
+from service.settings import Settings
+from service.spec import JobSpec, SpecError, validate_spec
+from service.states import JobStatus, transition
+
+IDEMPOTENCY_TTL = timedelta(hours=24)
+# A key whose first request has not finished after this long is taken to belong to a dead process.
+IDEMPOTENCY_ABANDONED = timedelta(seconds=60)
+MAX_LIMIT = 100
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    kind: str  # "preset" | "local" | "hub"
+    name: str  # preset name, resolved directory, or hub id
+
+
+def resolve_model(model: str, settings: Settings) -> ModelRef:
+    """Where a job's ``model`` points. Raises ValueError with a user-facing message when it may not be used."""
+    name = preset_name(model)
+    if name is not None:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {model!r}; known: {', '.join('preset:' + n for n in PRESETS)}")
+        return ModelRef("preset", name)
+    if model.startswith(("/", ".", "~")) or "\\" in model or model.count("/") > 1:
+        path = Path(model).expanduser().resolve()
+        if not any(path == d or d in path.parents for d in settings.model_dirs):
+            raise ValueError("a local model path must lie inside one of MEMFIT_MODEL_DIRS")
+        if not path.is_dir():
+            raise ValueError(f"model directory {model!r} does not exist")
+        return ModelRef("local", str(path))
+    if _HUB_ID.match(model):
+        return ModelRef("hub", model)
+    raise ValueError("model must be 'preset:<name>', a directory under MEMFIT_MODEL_DIRS, or a hub id 'org/name'")
+
+
+# --- create -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Created:
+    """create_job's answer: the new job, or the first answer replayed for a repeated Idempotency-Key."""
+
+    status_code: int
+    body: dict[str, Any]
+    job: Job | None
+    replayed: bool = False
+
+
+def request_hash(body: Any) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _claim_idempotency_key(session: Session, tenant_id: str, key: str, digest: str) -> IdempotencyKey | None:
+    """Claim ``key`` (commits). Returns None when this request owns it, the saved row to replay otherwise."""
+    for _ in range(5):
+        now = utcnow()
+        inserted = insert_ignoring_conflicts(
+            session,
+            IdempotencyKey,
+            [{"tenant_id": tenant_id, "key": key, "request_hash": digest, "created_at": now}],
+            ["tenant_id", "key"],
+        )
+        session.commit()
+        if inserted:
+            return None
+        row = session.get(IdempotencyKey, (tenant_id, key), populate_existing=True)
+        if row is None:
+            continue  # expired and deleted by another request meanwhile
+        abandoned = row.status_code is None and row.created_at < now - IDEMPOTENCY_ABANDONED
+        if row.created_at < now - IDEMPOTENCY_TTL or abandoned:
+            session.execute(
+                delete(IdempotencyKey).where(
+                    IdempotencyKey.tenant_id == tenant_id,
+                    IdempotencyKey.key == key,
+                    IdempotencyKey.created_at == row.created_at,
+                )
+            )
+            session.commit()
+            continue
+        if row.request_hash != digest:
+            raise IdempotencyMismatch(key)
+        if row.status_code is None:
+            raise IdempotencyInFlight(key)
+        return row
+    raise IdempotencyInFlight(key)
+
+
+def create_job(
+    session: Session,
+    principal: Principal,
+    settings: Settings,
+    body: Any,
+    *,
+    render: Callable[[Job], dict[str, Any]],
+    idempotency_key: str | None = None,
+    known_gpus: set[str] | None = None,
+) -> Created:
+    """Validate ``body`` (a parsed JSON create body) and store a job in ``validating_files``.
+
+    ``render`` turns the job into the response body; with an Idempotency-Key that body is saved and
+    replayed for the same key and body, a different body with the same key is IdempotencyMismatch,
+    and a first request still running is IdempotencyInFlight.
+    """
+    if idempotency_key is not None:
+        if not 1 <= len(idempotency_key) <= 255:
+            raise UnprocessableEntity("Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
+        saved = _claim_idempotency_key(session, principal.tenant_id, idempotency_key, request_hash(body))
+        if saved is not None:
+            return Created(status_code=saved.status_code, body=saved.response_body, job=None, replayed=True)
+    try:
+        job = _new_job(session, principal, settings, body, known_gpus)
+        answer = render(job)
+        if idempotency_key is not None:
+            session.execute(
+                update(IdempotencyKey)
+                .where(IdempotencyKey.tenant_id == principal.tenant_id, IdempotencyKey.key == idempotency_key)
+                .values(status_code=200, response_body=answer)
+            )
+        session.commit()
+    except BaseException:
+        session.rollback()
+        if idempotency_key is not None:
+            # A refused request saves nothing: the same key may be retried with a corrected body.
+            session.execute(
+                delete(IdempotencyKey).where(
+                    IdempotencyKey.tenant_id == principal.tenant_id,
+                    IdempotencyKey.key == idempotency_key,
+                    IdempotencyKey.status_code.is_(None),
+                )
+            )
+            session.commit()
+        raise
+    return Created(status_code=200, body=answer, job=job)
+
+
+def _new_job(session: Session, principal: Principal, settings: Settings, body: Any, known_gpus: set[str] | None) -> Job:
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object", code="invalid_json")
+    try:
+        spec = validate_spec(body, known_gpus)
+    except SpecError as exc:
+        raise SpecInvalid([p.model_dump() for p in exc.problems]) from None
+    try:
+        resolve_model(spec.model, settings)
+    except ValueError as exc:
+        raise SpecInvalid([{"param": "model", "message": str(exc), "code": "invalid_model"}]) from None
+    for param in ("training_file", "validation_file"):
+        file_id = getattr(spec, param)
+        if file_id is not None:
+            f = get_file(session, principal, file_id, param=param)
+            if f.purpose != "fine-tune" or f.status != "processed":
+                raise UnprocessableEntity(f"file {file_id} is not a processed fine-tune file", param=param)
+    if spec.seed is None:
+        spec = spec.model_copy(update={"seed": secrets.randbelow(2**31)})
+    job = Job(
+        id=new_id("ftjob-"),
+        tenant_id=principal.tenant_id,
+        status=JobStatus.validating_files.value,
+        spec=spec.model_dump(mode="json"),
+        model=spec.model,
+        training_file=spec.training_file,
+        validation_file=spec.validation_file,
+        suffix=spec.suffix,
+        seed=spec.seed,
+        metadata_=spec.metadata,
+        attempt=0,
+        result_files=[],
+    )
+    session.add(job)
+    session.flush()
+    add_event(session, job.id, f"Validating training file: {spec.training_file}", attempt=0, created_at=job.created_at)
+    return job
+
+
+def job_spec(job: Job) -> JobSpec:
+    return JobSpec.model_validate(job.spec)
+
+
+# --- read -------------------------------------------------------------------------------------
+
+
+def get_job(session: Session, principal: Principal, job_id: str) -> Job:
+    """The tenant's job, or JobNotFound (also for another tenant's id)."""
+    job = session.get(Job, job_id)
+    if job is None or job.tenant_id != principal.tenant_id:
+        raise JobNotFound(job_id)
+    return job
+
+
+def list_jobs(
+    session: Session,
+    principal: Principal,
+    *,
+    after: str | None = None,
+    limit: int = 20,
+    metadata: dict[str, str] | None = None,
+    status: str | None = None,
+) -> Page:
+    """Newest first. ``after`` is the last id of the previous page; ``metadata`` filters on equal values."""
+    q = select(Job).where(Job.tenant_id == principal.tenant_id)
+    for key, value in (metadata or {}).items():
+        q = q.where(Job.metadata_[key].as_string() == value)
+    if status:
+        q = q.where(Job.status == status)
+    if after:
+        cursor = session.get(Job, after)
+        if cursor is None or cursor.tenant_id != principal.tenant_id:
+            raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
+        q = q.where(tuple_(Job.created_at, Job.id) < tuple_(cursor.created_at, cursor.id))
+    rows = list(session.scalars(q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
+    return Page(rows[:limit], has_more=len(rows) > limit)
+
+
+# --- user actions -----------------------------------------------------------------------------
+
+
+def cancel_job(session: Session, principal: Principal, job_id: str) -> Job:
+    """Cancel at once in any non-terminal status. desired_state='cancel' tells the scheduler to stop
+    the Ray job if one was submitted; later writes by that run fail because cancelled is terminal."""
+    job = get_job(session, principal, job_id)
+    if JobStatus(job.status).terminal:
+        raise InvalidTransition(job_id, job.status, "cancelled", f"Job {job_id} is already {job.status}; it cannot be cancelled")
+    job = transition(session, job_id, JobStatus.cancelled, desired_state="cancel")
+    session.commit()
+    return job
+
+
+def pause_job(session: Session, principal: Principal, job_id: str) -> Job:
+    """queued → paused now; validating_files/running → desired_state='pause' (the scheduler stops
+    the run at a checkpoint and moves it to paused); paused or terminal → InvalidTransition."""
+    job = get_job(session, principal, job_id)
+    status = JobStatus(job.status)
+    if status == JobStatus.queued:
+        job = transition(session, job_id, JobStatus.paused, desired_state=None)
+    elif status in (JobStatus.validating_files, JobStatus.running):
+        if job.desired_state != "pause":
+            job = _set_desired_state(session, job, "pause", "Pause requested")
+    else:
+        raise InvalidTransition(job_id, job.status, "paused", f"Job {job_id} is {job.status}; it cannot be paused")
+    session.commit()
+    return job
+
+
+def resume_job(session: Session, principal: Principal, job_id: str) -> Job:
+    """paused → queued (the scheduler resumes from the latest checkpoint); a pending pause request
+    on a running job is withdrawn; anything else → InvalidTransition."""
+    job = get_job(session, principal, job_id)
+    status = JobStatus(job.status)
+    if status == JobStatus.paused:
+        job = transition(session, job_id, JobStatus.queued, desired_state=None, event_data={"resumed": True})
+    elif job.desired_state == "pause" and not status.terminal:
+        job = _set_desired_state(session, job, None, "Pause request withdrawn")
+    else:
+        raise InvalidTransition(job_id, job.status, "queued", f"Job {job_id} is {job.status}; only a paused job can be resumed")
+    session.commit()
+    return job
+
+
+def _set_desired_state(session: Session, job: Job, desired: str | None, message: str) -> Job:
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.status == job.status)
+        .values(desired_state=desired, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        current = session.get(Job, job.id, populate_existing=True)
+        raise InvalidTransition(job.id, current.status if current else None, job.status, f"Job {job.id} changed status meanwhile; retry")
+    add_event(session, job.id, message, attempt=job.attempt)
+    return session.get(Job, job.id, populate_existing=True)
+
+
+# --- store functions for the scheduler and ingest ---------------------------------------------
+
+
+def update_job(session: Session, job_id: str, *, expected_attempt: int | None = None, **fields: Any) -> Job:
+    """Set non-status fields (lease, ray ids, plan, memory_summary, estimated_finish …), fenced on the
+    attempt like transition(). Raises JobNotFound or StaleAttempt. The caller commits."""
+    if "status" in fields:
+        raise TypeError("status changes go through service.states.transition")
+    stmt = update(Job).where(Job.id == job_id)
+    if expected_attempt is not None:
+        stmt = stmt.where(Job.attempt == expected_attempt)
+    result = session.execute(
+        stmt.values(updated_at=utcnow(), **fields).execution_options(synchronize_session=False)
+    )
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None:
+        raise JobNotFound(job_id)
+    if result.rowcount != 1:
+        raise StaleAttempt(job_id, expected_attempt, job.attempt)
+    return job
+
+
+def add_event(
+    session: Session,
+    job_id: str,
+    message: str,
+    *,
+    level: str = "info",
+    type: str = "message",
+    data: dict[str, Any] | None = None,
+    attempt: int | None = None,
+    dedupe_key: str | None = None,
+    created_at: datetime | None = None,
+) -> bool:
+    """Append an event; with ``dedupe_key`` a repeated key for the job is ignored. Returns whether it was stored."""
+    row = {
+        "job_id": job_id,
+        "message": message,
+        "level": level,
+        "type": type,
+        "data": data,
+        "attempt": attempt,
+        "dedupe_key": dedupe_key,
+        "created_at": created_at or utcnow(),
+    }
+    return insert_ignoring_conflicts(session, JobEvent, [row], ["job_id", "dedupe_key"]) == 1
+
+
+def add_events(session: Session, job_id: str, events: Iterable[dict[str, Any]]) -> int:
+    """Bulk add_event: dicts with add_event's keyword names. Returns how many were new."""
+    now = utcnow()
+    rows = [
+        {
+            "job_id": job_id,
+            "level": "info",
+            "type": "message",
+            "data": None,
+            "attempt": None,
+            "dedupe_key": None,
+            **e,
+            "created_at": e.get("created_at") or now,
+        }
+        for e in events
+    ]
+    return insert_ignoring_conflicts(session, JobEvent, rows, ["job_id", "dedupe_key"])
+
+
+def event_public_id(event_id: int) -> str:
+    return f"ftevent-{event_id}"
+
+
+def parse_event_cursor(after: str) -> int:
+    raw = after.removeprefix("ftevent-")
+    if not raw.isdigit():
+        raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
+    return int(raw)
+
+
+def list_events(
+    session: Session, principal: Principal, job_id: str, *, after: str | None = None, limit: int = 20
+) -> Page:
+    """Newest first, like OpenAI; ``after`` is the last event id of the previous page."""
+    get_job(session, principal, job_id)
+    q = select(JobEvent).where(JobEvent.job_id == job_id)
+    if after:
+        q = q.where(JobEvent.id < parse_event_cursor(after))
+    rows = list(session.scalars(q.order_by(JobEvent.id.desc()).limit(limit + 1)))
+    return Page(rows[:limit], has_more=len(rows) > limit)
+
+
+def events_since(session: Session, job_id: str, last_id: int = 0, *, limit: int = 500) -> list[JobEvent]:
+    """Oldest first after ``last_id`` (an SSE Last-Event-ID): the stream resumes with no gap or duplicate."""
+    q = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > last_id).order_by(JobEvent.id).limit(limit)
+    return list(session.scalars(q))
+
+
+def add_checkpoint(
+    session: Session, job_id: str, *, attempt: int, step: int, path: str, metrics: dict[str, Any] | None = None
+) -> bool:
+    """Record a checkpoint; a second one at the same step of the job is ignored. Returns whether stored."""
+    row = {"id": new_id("ftckpt-"), "job_id": job_id, "attempt": attempt, "step": step, "path": path,
+           "metrics": metrics or {}, "created_at": utcnow()}
+    return insert_ignoring_conflicts(session, Checkpoint, [row], ["job_id", "step"]) == 1
+
+
+def list_checkpoints(
+    session: Session, principal: Principal, job_id: str, *, after: str | None = None, limit: int = 10
+) -> Page:
+    """Newest (highest step) first; ``after`` is the last checkpoint id of the previous page."""
+    get_job(session, principal, job_id)
+    q = select(Checkpoint).where(Checkpoint.job_id == job_id)
+    if after:
+        cursor = session.get(Checkpoint, after)
+        if cursor is None or cursor.job_id != job_id:
+            raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
+        q = q.where(Checkpoint.step < cursor.step)
+    rows = list(session.scalars(q.order_by(Checkpoint.step.desc()).limit(limit + 1)))
+    return Page(rows[:limit], has_more=len(rows) > limit)
+
+
+def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
+    return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1))
+
+
+def add_memory_samples(session: Session, job_id: str, records: Iterable[Any]) -> int:
+    """Store MemoryRecord objects (service.records) or dicts; a repeated (attempt, rank, step, phase)
+    is ignored. Returns how many were new."""
+    rows = []
+    for r in records:
+        d = r.model_dump() if hasattr(r, "model_dump") else dict(r)
+        row = {"job_id": job_id, "attempt": d["attempt"], "rank": d["rank"], "step": d["step"],
+               "phase": d.get("phase", "step"), "source": d.get("source", "counters"),
+               "device": d.get("device") or None, "created_at": utcnow()}
+        row.update({c: d.get(c) for c in MEMORY_BYTE_COLUMNS})
+        rows.append(row)
+    return insert_ignoring_conflicts(session, MemorySample, rows, ["job_id", "attempt", "rank", "step", "phase"])
+
+
+def list_memory_samples(
+    session: Session, job_id: str, *, attempt: int | None = None, after_id: int = 0, limit: int = 10_000
+) -> list[MemorySample]:
+    q = select(MemorySample).where(MemorySample.job_id == job_id, MemorySample.id > after_id)
+    if attempt is not None:
+        q = q.where(MemorySample.attempt == attempt)
+    return list(session.scalars(q.order_by(MemorySample.id).limit(limit)))
+
+
+def purge_idempotency_keys(session: Session, older_than: timedelta = IDEMPOTENCY_TTL) -> int:
+    """Delete keys past their 24 h life (the scheduler may call this now and then). Caller commits."""
+    cutoff = datetime.now(timezone.utc) - older_than
+    return session.execute(delete(IdempotencyKey).where(IdempotencyKey.created_at < cutoff)).rowcount or 0
