@@ -1,0 +1,695 @@
+"""The scheduler: moves jobs from the Postgres queue onto a Ray cluster and keeps both views agreeing.
+
+One loop (``Scheduler.tick``, every ``settings.poll_seconds``) does, in order:
+
+1. **heartbeat** — renew the lease on every job this scheduler owns (``lease_owner = me``);
+2. **validate** — jobs in ``validating_files``: files exist and parse, the model resolves, the memory
+   pre-flight (:func:`memory_preflight`) runs → ``queued`` or ``failed`` with a structured error;
+3. **adopt** — ``running`` jobs whose lease expired (their scheduler died) get a new owner. The
+   attempt does *not* change: if their Ray submission is still alive it is kept, not resubmitted;
+4. **claim** — ``queued`` jobs are claimed with ``SELECT … FOR UPDATE SKIP LOCKED`` (on SQLite the
+   lock clause is a no-op and the fenced UPDATE in :func:`service.states.transition` is what makes a
+   claim exclusive — fine for its single scheduler): ``attempt += 1``, a lease, a fresh ingest
+   token; then the run request is written and submitted through the Ray Jobs API as
+   ``memfit-<job id>-<attempt>``. Ray refuses a second submission with the same id, so a retried or
+   duplicated submit cannot start the job twice ("already exists" counts as success);
+5. **reconcile** — Ray's status of each owned job is compared with the database: FAILED → ``failed``
+   with the driver's error type and last log lines, STOPPED → ``cancelled``/``paused`` when the user
+   asked for it, a submission Ray no longer knows (head restart) → ``queued`` again, so the next claim
+   resubmits it as a new attempt that resumes from the latest checkpoint in the same storage path;
+   jobs already terminal or paused in the database whose Ray job still runs are stopped.
+
+The database, not Ray, is the source of truth; every status write is fenced on the attempt number,
+so a scheduler that lost its lease (or a late worker) cannot overwrite newer state.
+
+Running the code on the cluster: the entrypoint is ``<python> -m workers.run <request.json>``. By
+default the ``service`` and ``workers`` packages are shipped with the job as runtime_env
+``py_modules`` (zipped once per content hash and cached in the cluster's GCS), so a local head and a
+KubeRay cluster run exactly the scheduler's code; the cluster image only needs the training
+dependencies (deploy/Dockerfile has them and memfit itself, so MEMFIT_RAY_SHIP_CODE=0 works there
+too). ``<python>`` is this process's interpreter for a cluster on this host (loopback address) and
+``python`` — the image's — otherwise; MEMFIT_RAY_PYTHON overrides both. Job storage
+(``settings.storage_dir``) must be a path every Ray node sees at the same place: the local disk here,
+a shared volume (NFS/EFS/Filestore PVC) mounted on the head and workers on KubeRay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import shlex
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.errors import InvalidTransition, JobNotFound, StaleAttempt
+from service.models import Checkpoint, File, Job, JobEvent
+from service.presets import PRESET_PREFIX, PRESETS
+from service.settings import Settings
+from service.spec import JobSpec, RunRequest
+from service.states import TERMINAL, JobStatus, transition
+
+log = logging.getLogger("memfit.scheduler")
+
+RAY_ACTIVE = frozenset({"PENDING", "RUNNING"})
+RAY_TERMINAL = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
+INGEST_PATH = "/v1/internal/jobs/{job_id}/ingest"
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+# --- ingest tokens ------------------------------------------------------------------------------
+
+
+def new_ingest_token() -> tuple[str, str]:
+    """A per-attempt token the Ray job uses to post records: (plaintext, sha256 hex stored on the job)."""
+    token = "mfi_" + secrets.token_urlsafe(32)
+    return token, hash_ingest_token(token)
+
+
+def hash_ingest_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def ingest_token_matches(token: str, stored_hash: str | None) -> bool:
+    return stored_hash is not None and hmac.compare_digest(hash_ingest_token(token), stored_hash)
+
+
+def submission_id(job_id: str, attempt: int) -> str:
+    return f"memfit-{job_id}-{attempt}"
+
+
+def job_dir(settings: Settings, job_id: str) -> Path:
+    return settings.storage_dir / "jobs" / job_id
+
+
+# --- the Ray side -------------------------------------------------------------------------------
+
+
+@dataclass
+class RayStatus:
+    status: str  # PENDING | RUNNING | STOPPED | SUCCEEDED | FAILED
+    message: str | None = None
+    error_type: str | None = None
+    driver_exit_code: int | None = None
+
+
+class RayUnavailable(RuntimeError):
+    """The Jobs API did not answer (head down or restarting): try again next tick, change nothing."""
+
+
+class RayJobs:
+    """A thin client of the Ray Jobs API (``ray[default]``); ray is imported only when used."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        auth_mode: str = "disabled",
+        python: str | None = None,
+        ship_code: bool | None = None,
+        entrypoint_num_cpus: float = 0.1,
+    ) -> None:
+        if "://" not in address:
+            address = "http://" + address
+        self.address = address.rstrip("/")
+        self.auth_mode = auth_mode
+        host = urlparse(self.address).hostname or ""
+        loopback = host in ("127.0.0.1", "localhost", "::1") or host == socket.gethostname()
+        self.python = python or os.environ.get("MEMFIT_RAY_PYTHON") or (sys.executable if loopback else "python")
+        if ship_code is None:
+            ship_code = os.environ.get("MEMFIT_RAY_SHIP_CODE", "1") not in ("0", "false", "no")
+        self.ship_code = ship_code
+        self.entrypoint_num_cpus = entrypoint_num_cpus
+        self._client = None
+        self._lock = threading.Lock()
+
+    @property
+    def client(self):
+        with self._lock:
+            if self._client is None:
+                os.environ.setdefault("RAY_AUTH_MODE", self.auth_mode)
+                from ray.job_submission import JobSubmissionClient
+
+                try:
+                    self._client = JobSubmissionClient(self.address)
+                except Exception as exc:  # noqa: BLE001 - connection refused, timeouts …
+                    raise RayUnavailable(f"Ray Jobs API at {self.address}: {exc}") from exc
+            return self._client
+
+    def runtime_env(self, env_vars: dict[str, str]) -> dict[str, Any]:
+        env: dict[str, Any] = {"env_vars": env_vars}
+        if self.ship_code:
+            import service
+            import workers
+
+            env["py_modules"] = [str(Path(service.__file__).parent), str(Path(workers.__file__).parent)]
+            env["excludes"] = ["__pycache__", "*.pyc"]
+        return env
+
+    def submit(self, sid: str, entrypoint: str, env_vars: dict[str, str], metadata: dict[str, str]) -> bool:
+        """Submit once. Returns True when this call created it, False when it already existed."""
+        try:
+            self.client.submit_job(
+                entrypoint=entrypoint,
+                submission_id=sid,
+                runtime_env=self.runtime_env(env_vars),
+                entrypoint_num_cpus=self.entrypoint_num_cpus,
+                metadata=metadata,
+            )
+            return True
+        except RuntimeError as exc:
+            if "already exists" in str(exc):
+                return False
+            if _is_connection_error(exc):
+                raise RayUnavailable(str(exc)) from exc
+            raise
+        except OSError as exc:
+            raise RayUnavailable(str(exc)) from exc
+
+    def status(self, sid: str) -> RayStatus | None:
+        """Ray's view of one submission; None when Ray does not know it (never submitted, or lost)."""
+        try:
+            info = self.client.get_job_info(sid)
+        except RuntimeError as exc:
+            if "does not exist" in str(exc) or "status code 404" in str(exc):
+                return None
+            raise RayUnavailable(str(exc)) from exc
+        except OSError as exc:
+            raise RayUnavailable(str(exc)) from exc
+        return RayStatus(
+            status=str(getattr(info.status, "value", info.status)),
+            message=info.message,
+            error_type=info.error_type,
+            driver_exit_code=info.driver_exit_code,
+        )
+
+    def stop(self, sid: str) -> bool:
+        try:
+            return bool(self.client.stop_job(sid))
+        except RuntimeError as exc:
+            if "does not exist" in str(exc):
+                return False
+            raise RayUnavailable(str(exc)) from exc
+        except OSError as exc:
+            raise RayUnavailable(str(exc)) from exc
+
+    def log_tail(self, sid: str, lines: int = 30) -> list[str]:
+        try:
+            text = self.client.get_job_logs(sid)
+        except Exception:  # noqa: BLE001 - logs are best effort
+            return []
+        return text.splitlines()[-lines:]
+
+    def submissions_of(self, job_id: str) -> dict[str, str]:
+        """Every Ray submission of one memfit job (for checks: no duplicates) → status."""
+        prefix = f"memfit-{job_id}-"
+        return {
+            j.submission_id: str(getattr(j.status, "value", j.status))
+            for j in self.client.list_jobs()
+            if (j.submission_id or "").startswith(prefix)
+        }
+
+
+def _is_connection_error(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return any(s in text for s in ("connection refused", "failed to connect", "cannot connect", "timed out"))
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+class ValidationFailed(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None, details: dict | None = None):
+        super().__init__(message)
+        self.error = {"code": code, "message": message, "param": param, "details": details or {}}
+
+
+def resolve_model(spec: JobSpec, settings: Settings) -> str | None:
+    """The local model directory a job trains, or None for a preset / hub id. Raises ValidationFailed."""
+    model = spec.model
+    if model.startswith(PRESET_PREFIX):
+        name = model[len(PRESET_PREFIX):]
+        if name not in PRESETS:
+            raise ValidationFailed(
+                "model_not_found", f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}", "model"
+            )
+        return None
+    if model.startswith(("/", "./", "~")) or os.path.isabs(model):
+        path = Path(model).expanduser().resolve()
+        if not any(path == d or d in path.parents for d in settings.model_dirs):
+            raise ValidationFailed("model_not_allowed", f"{model!r} is not under MEMFIT_MODEL_DIRS", "model")
+        if not (path / "config.json").is_file():
+            raise ValidationFailed("model_not_found", f"{model!r} has no config.json", "model")
+        return str(path)
+    for directory in settings.model_dirs:  # a name under one of the model dirs
+        candidate = directory / model
+        if (candidate / "config.json").is_file():
+            return str(candidate)
+    return None  # a hub id: the worker loads it (and says so clearly when the cluster is offline)
+
+
+def memory_preflight(spec: JobSpec, settings: Settings, model_path: str | None) -> dict | None:
+    """THE MEMORY PRE-FLIGHT HOOK (issue "Memory"). Returns the plan to store on the job, or raises
+    ValidationFailed(code="does_not_fit", …) for a job that would not fit under memory_policy=reject.
+
+    It calls ``service.planner.preflight(spec, settings=…, model_path=…)`` when the planner module
+    exists; the planner may return a plan dict, a pydantic model, or raise an exception with an
+    ``error`` dict (or a DomainError) to refuse the job.
+    """
+    try:
+        from service import planner  # noqa: F401
+    except ImportError:
+        return None
+    fn = getattr(planner, "preflight", None)
+    if fn is None:
+        return None
+    try:
+        plan = fn(spec, settings=settings, model_path=model_path)
+    except ValidationFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the planner's refusal, whatever its class
+        error = getattr(exc, "error", None)
+        if isinstance(error, dict):
+            raise ValidationFailed(error.get("code", "does_not_fit"), error.get("message", str(exc)),
+                                   error.get("param"), error.get("details")) from exc
+        code = getattr(exc, "code", None) or "does_not_fit"
+        raise ValidationFailed(code, str(exc), getattr(exc, "param", None),
+                               {"errors": getattr(exc, "errors", None)} if getattr(exc, "errors", None) else None) from exc
+    if plan is None:
+        return None
+    if hasattr(plan, "model_dump"):
+        plan = plan.model_dump(mode="json")
+    return plan
+
+
+def validate_job(session: Session, job: Job, settings: Settings) -> tuple[JobSpec, dict | None]:
+    """The validating_files stage. Returns (spec, plan); raises ValidationFailed naming file/line/field."""
+    from service.datafmt import DataError, validate_jsonl
+
+    try:
+        spec = JobSpec.model_validate(job.spec)
+    except Exception as exc:  # noqa: BLE001 - a stored spec that no longer parses
+        raise ValidationFailed("invalid_spec", str(exc)) from exc
+    for param, file_id in (("training_file", spec.training_file), ("validation_file", spec.validation_file)):
+        if file_id is None:
+            continue
+        row = session.get(File, file_id)
+        if row is None or row.tenant_id != job.tenant_id:
+            raise ValidationFailed("file_not_found", f"no file {file_id!r}", param)
+        if not Path(row.path).is_file():
+            raise ValidationFailed("file_missing", f"the content of {file_id!r} is missing from storage", param)
+        try:
+            validate_jsonl(row.path)
+        except DataError as exc:
+            raise ValidationFailed("invalid_file", f"{row.filename}: {exc}", param,
+                                   {"file_id": file_id, "line": exc.line}) from exc
+    model_path = resolve_model(spec, settings)
+    plan = memory_preflight(spec, settings, model_path)
+    return spec, plan
+
+
+# --- the scheduler ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Watch:
+    """What the loop remembers about one owned job between ticks (never needed for correctness)."""
+
+    ray_terminal_since: float | None = None
+    pause_from_step: int | None = None
+    pause_since: float | None = None
+
+
+@dataclass
+class Scheduler:
+    sessions: sessionmaker[Session]
+    settings: Settings
+    ray: RayJobs
+    owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}")
+    batch: int = 8
+    # How long a terminal Ray status may wait for the worker's result/failure record to arrive.
+    result_grace_s: float = 5.0
+    # Pause waits for the next checkpoint, at most this long, then stops anyway.
+    pause_timeout_s: float = 120.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    _watch: dict[str, _Watch] = field(default_factory=dict)
+    _last_heartbeat: float = 0.0
+
+    # ---- the loop ----
+
+    def run(self, stop: threading.Event) -> None:
+        log.info("scheduler %s polling every %.2f s (lease %.0f s, Ray %s)", self.owner,
+                 self.settings.poll_seconds, self.settings.lease_seconds, self.ray.address)
+        while not stop.is_set():
+            self.tick()
+            stop.wait(self.settings.poll_seconds)
+        self.release_all()
+
+    def tick(self) -> None:
+        for step in (self.heartbeat, self.validate_pending, self.adopt_expired, self.claim_and_submit,
+                     self.reconcile):
+            try:
+                step()
+            except RayUnavailable as exc:
+                log.warning("Ray unavailable during %s: %s", step.__name__, exc)
+            except Exception:  # noqa: BLE001 - one bad tick must not end the loop
+                log.exception("scheduler %s failed", step.__name__)
+
+    @property
+    def lease(self) -> timedelta:
+        return timedelta(seconds=self.settings.lease_seconds)
+
+    def heartbeat(self, force: bool = False) -> int:
+        now = time.monotonic()
+        if not force and now - self._last_heartbeat < self.settings.lease_seconds / 4:
+            return 0
+        self._last_heartbeat = now
+        with self.sessions.begin() as s:
+            result = s.execute(
+                update(Job)
+                .where(Job.lease_owner == self.owner, Job.status == JobStatus.running.value)
+                .values(lease_expires_at=utcnow() + self.lease)
+                .execution_options(synchronize_session=False)
+            )
+            return result.rowcount
+
+    def release_all(self) -> None:
+        """Give up every lease at a clean shutdown so another scheduler adopts the jobs at once."""
+        with self.sessions.begin() as s:
+            s.execute(
+                update(Job)
+                .where(Job.lease_owner == self.owner)
+                .values(lease_expires_at=utcnow())
+                .execution_options(synchronize_session=False)
+            )
+
+    # ---- validating_files ----
+
+    def validate_pending(self) -> int:
+        done = 0
+        with self.sessions.begin() as s:
+            jobs = s.scalars(
+                select(Job)
+                .where(Job.status == JobStatus.validating_files.value)
+                .order_by(Job.created_at)
+                .limit(self.batch)
+                .with_for_update(skip_locked=True)
+            ).all()
+            for job in jobs:
+                try:
+                    _, plan = validate_job(s, job, self.settings)
+                except ValidationFailed as exc:
+                    _try(transition, s, job.id, JobStatus.failed, error=exc.error,
+                         event_data={"error": exc.error})
+                else:
+                    fields = {"plan": plan} if plan is not None else {}
+                    _try(transition, s, job.id, JobStatus.queued, **fields)
+                done += 1
+        return done
+
+    # ---- claim ----
+
+    def claim(self, limit: int | None = None) -> list[tuple[str, int, str]]:
+        """Claim queued jobs: → running, attempt + 1, leased to us, a fresh ingest token.
+        Returns (job id, attempt, ingest token) for each job this call won."""
+        won: list[tuple[str, int, str]] = []
+        with self.sessions.begin() as s:
+            jobs = s.scalars(
+                select(Job)
+                .where(Job.status == JobStatus.queued.value)
+                .order_by(Job.created_at, Job.id)
+                .limit(limit or self.batch)
+                .with_for_update(skip_locked=True)
+            ).all()
+            for job in jobs:
+                attempt = job.attempt + 1
+                token, token_hash = new_ingest_token()
+                now = utcnow()
+                try:
+                    transition(
+                        s, job.id, JobStatus.running, expected_attempt=job.attempt,
+                        attempt=attempt, lease_owner=self.owner, lease_expires_at=now + self.lease,
+                        ingest_token_hash=token_hash, ray_submission_id=submission_id(job.id, attempt),
+                        ray_status=None, desired_state=None, started_at=job.started_at or now,
+                        output_dir=str(job_dir(self.settings, job.id)),
+                        event_data={"attempt": attempt, "scheduler": self.owner},
+                    )
+                except (StaleAttempt, InvalidTransition):
+                    continue  # another claimer won it (SQLite) — not ours
+                won.append((job.id, attempt, token))
+        return won
+
+    def claim_and_submit(self) -> int:
+        claimed = self.claim()
+        for job_id, attempt, token in claimed:
+            self.submit(job_id, attempt, token)
+        return len(claimed)
+
+    def run_request(self, s: Session, job: Job, attempt: int, token: str) -> RunRequest:
+        spec = JobSpec.model_validate(job.spec)
+        training = s.get(File, spec.training_file)
+        validation = s.get(File, spec.validation_file) if spec.validation_file else None
+        out = job_dir(self.settings, job.id)
+        return RunRequest(
+            job_id=job.id,
+            attempt=attempt,
+            spec=spec,
+            training_path=training.path,
+            validation_path=validation.path if validation else None,
+            model_path=resolve_model(spec, self.settings),
+            output_dir=str(out),
+            ingest_url=self.settings.api_url.rstrip("/") + INGEST_PATH.format(job_id=job.id),
+            ingest_token=token,
+            metrics_path=str(out / f"metrics-attempt-{attempt}.jsonl"),
+            plan=job.plan,
+        )
+
+    def submit(self, job_id: str, attempt: int, token: str) -> None:
+        sid = submission_id(job_id, attempt)
+        with self.sessions() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.attempt != attempt or job.status != JobStatus.running.value:
+                return
+            try:
+                request = self.run_request(s, job, attempt, token)
+            except Exception as exc:  # noqa: BLE001 - e.g. a file deleted since validation
+                self._fail(job_id, attempt, "submission_failed", f"could not build the run request: {exc}")
+                return
+        out = Path(request.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"request-attempt-{attempt}.json"
+        # The file carries the ingest token: readable by the owner only.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(request.model_dump_json(indent=1))
+        env = {
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1"),
+            "RAY_AUTH_MODE": self.ray.auth_mode,
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            "MEMFIT_JOB_ID": job_id,
+            "MEMFIT_ATTEMPT": str(attempt),
+            **{k: v for k, v in os.environ.items() if k.startswith("MEMFIT_WORKER_")},
+            **self.extra_env,
+        }
+        entrypoint = f"{shlex.quote(self.ray.python)} -m workers.run {shlex.quote(str(path))}"
+        try:
+            created = self.ray.submit(sid, entrypoint, env, {"memfit_job_id": job_id, "attempt": str(attempt)})
+        except RayUnavailable:
+            raise  # the job stays running without a Ray job; reconcile resubmits it (same id) next tick
+        except Exception as exc:  # noqa: BLE001 - Ray refused it (bad runtime_env …)
+            self._fail(job_id, attempt, "submission_failed", f"Ray refused the submission {sid}: {exc}")
+            return
+        with self.sessions.begin() as s:
+            s.add(JobEvent(job_id=job_id, attempt=attempt, level="info", type="message",
+                           message=f"Submitted to Ray as {sid}" if created else f"Ray already had {sid}; kept it",
+                           data={"submission_id": sid, "attempt": attempt},
+                           dedupe_key=f"submit:{attempt}"))
+
+    # ---- adopt ----
+
+    def adopt_expired(self) -> list[str]:
+        """Take over running jobs whose lease expired. Same attempt: the Ray job (if alive) is kept."""
+        adopted = []
+        with self.sessions.begin() as s:
+            jobs = s.scalars(
+                select(Job)
+                .where(Job.status == JobStatus.running.value,
+                       or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < utcnow()))
+                .limit(self.batch)
+                .with_for_update(skip_locked=True)
+            ).all()
+            for job in jobs:
+                result = s.execute(
+                    update(Job)
+                    .where(Job.id == job.id, Job.attempt == job.attempt, Job.status == JobStatus.running.value,
+                           Job.lease_owner.is_not_distinct_from(job.lease_owner))
+                    .values(lease_owner=self.owner, lease_expires_at=utcnow() + self.lease)
+                    .execution_options(synchronize_session=False)
+                )
+                if result.rowcount == 1:
+                    s.add(JobEvent(job_id=job.id, attempt=job.attempt, level="warn", type="message",
+                                   message=f"Scheduler {self.owner} adopted the job (lease of {job.lease_owner} expired)",
+                                   data={"previous_owner": job.lease_owner, "owner": self.owner,
+                                         "attempt": job.attempt}))
+                    adopted.append(job.id)
+        return adopted
+
+    # ---- reconcile ----
+
+    def reconcile(self) -> None:
+        with self.sessions() as s:
+            owned = s.execute(
+                select(Job.id, Job.attempt, Job.ray_status, Job.desired_state)
+                .where(Job.status == JobStatus.running.value, Job.lease_owner == self.owner)
+            ).all()
+            # Terminal or paused in the database while Ray may still run them: stop those (any owner).
+            strays = s.execute(
+                select(Job.id, Job.attempt, Job.status, Job.ray_status)
+                .where(Job.status.in_([*(t.value for t in TERMINAL), JobStatus.paused.value]),
+                       Job.ray_submission_id.is_not(None),
+                       or_(Job.ray_status.is_(None), Job.ray_status.in_(RAY_ACTIVE)))
+            ).all()
+        for job_id, attempt, ray_status, desired in owned:
+            self._reconcile_running(job_id, attempt, ray_status, desired)
+        for job_id, attempt, status, _ in strays:
+            self._stop_stray(job_id, attempt, status)
+        live = {row[0] for row in owned}
+        for job_id in list(self._watch):
+            if job_id not in live:
+                del self._watch[job_id]
+
+    def _reconcile_running(self, job_id: str, attempt: int, known: str | None, desired: str | None) -> None:
+        sid = submission_id(job_id, attempt)
+        st = self.ray.status(sid)
+        watch = self._watch.setdefault(job_id, _Watch())
+        if st is None:
+            self._vanished(job_id, attempt, sid)
+            return
+        if st.status != known:
+            self._set_ray_status(job_id, attempt, st.status)
+        if st.status in RAY_ACTIVE:
+            if desired == "cancel":
+                self.ray.stop(sid)
+            elif desired == "pause" and self._pause_point_reached(job_id, attempt, watch):
+                self.ray.stop(sid)
+            return
+        # Ray says the job is over. The worker posts its result/failure before the driver exits, so
+        # the database normally is terminal already; give an in-flight post a moment to land.
+        if st.status == "STOPPED" and desired in ("cancel", "pause"):
+            to = JobStatus.cancelled if desired == "cancel" else JobStatus.paused
+            self._finish(job_id, attempt, to, lease_owner=None, desired_state=None)
+            return
+        if watch.ray_terminal_since is None:
+            watch.ray_terminal_since = time.monotonic()
+        if time.monotonic() - watch.ray_terminal_since < self.result_grace_s:
+            return
+        if st.status == "SUCCEEDED":
+            self._fail(job_id, attempt, "missing_result",
+                       f"Ray job {sid} succeeded but the worker never reported a result")
+        elif st.status == "FAILED":
+            tail = self.ray.log_tail(sid)
+            self._fail(job_id, attempt, "ray_job_failed",
+                       f"{st.error_type or 'ray job failed'}: {st.message or ''}".strip(),
+                       details={"submission_id": sid, "error_type": st.error_type,
+                                "driver_exit_code": st.driver_exit_code, "log_tail": tail})
+        else:  # STOPPED by someone else (ray job stop, dashboard)
+            self._fail(job_id, attempt, "ray_job_stopped", f"Ray job {sid} was stopped outside memfit",
+                       details={"submission_id": sid})
+
+    def _pause_point_reached(self, job_id: str, attempt: int, watch: _Watch) -> bool:
+        with self.sessions() as s:
+            latest = s.scalar(select(Checkpoint.step).where(Checkpoint.job_id == job_id)
+                              .order_by(Checkpoint.step.desc()).limit(1))
+        latest = -1 if latest is None else latest
+        if watch.pause_from_step is None:
+            watch.pause_from_step, watch.pause_since = latest, time.monotonic()
+            return False
+        return latest > watch.pause_from_step or time.monotonic() - watch.pause_since > self.pause_timeout_s
+
+    def _vanished(self, job_id: str, attempt: int, sid: str) -> None:
+        """Ray does not know the submission: never made (a scheduler died between claim and submit)
+        or lost (head restart). Requeue: the next claim is a new attempt that resumes from the latest
+        checkpoint in the job's storage path."""
+        with self.sessions.begin() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.attempt != attempt or job.status != JobStatus.running.value:
+                return
+            if job.desired_state == "cancel":
+                _try(transition, s, job_id, JobStatus.cancelled, expected_attempt=attempt, lease_owner=None)
+                return
+            _try(transition, s, job_id, JobStatus.queued, expected_attempt=attempt, lease_owner=None,
+                 lease_expires_at=None, ray_status=None,
+                 event_data={"reason": "ray_submission_missing", "submission_id": sid, "attempt": attempt})
+        self._watch.pop(job_id, None)
+
+    def _stop_stray(self, job_id: str, attempt: int, status: str) -> None:
+        sid = submission_id(job_id, attempt)
+        st = self.ray.status(sid)
+        if st is not None and st.status in RAY_ACTIVE:
+            self.ray.stop(sid)
+            st = self.ray.status(sid)
+        new = "GONE" if st is None else st.status
+        with self.sessions.begin() as s:
+            s.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt)
+                      .values(ray_status=new if new != "GONE" else "STOPPED", lease_owner=None)
+                      .execution_options(synchronize_session=False))
+            if st is not None and new in RAY_ACTIVE | {"STOPPED"}:
+                s.add(JobEvent(job_id=job_id, attempt=attempt, level="info", type="message",
+                               message=f"Stopping Ray job {sid} (job is {status})",
+                               data={"submission_id": sid, "ray_status": new},
+                               dedupe_key=f"stop:{attempt}:{new}"))
+
+    def _set_ray_status(self, job_id: str, attempt: int, ray_status: str) -> None:
+        with self.sessions.begin() as s:
+            s.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt)
+                      .values(ray_status=ray_status).execution_options(synchronize_session=False))
+            s.add(JobEvent(job_id=job_id, attempt=attempt, level="info", type="message",
+                           message=f"Ray job {submission_id(job_id, attempt)} is {ray_status}",
+                           data={"ray_status": ray_status, "attempt": attempt},
+                           dedupe_key=f"ray:{attempt}:{ray_status}"))
+
+    def _finish(self, job_id: str, attempt: int, to: JobStatus, **fields: Any) -> None:
+        with self.sessions.begin() as s:
+            _try(transition, s, job_id, to, expected_attempt=attempt, **fields)
+        self._watch.pop(job_id, None)
+
+    def _fail(self, job_id: str, attempt: int, code: str, message: str, details: dict | None = None) -> None:
+        error = {"code": code, "message": message, "param": None, "details": details or {}}
+        self._finish(job_id, attempt, JobStatus.failed, error=error, lease_owner=None)
+
+
+def _try(fn: Callable, *args, **kwargs):
+    """A fenced write that lost its race (another scheduler, a terminal job) is not an error here."""
+    try:
+        return fn(*args, **kwargs)
+    except (StaleAttempt, InvalidTransition, JobNotFound) as exc:
+        log.info("skipped: %s", exc)
+        return None
+
+
+# --- running it ---------------------------------------------------------------------------------
+
+
+def start_in_thread(scheduler: Scheduler) -> tuple[threading.Thread, threading.Event]:
+    stop = threading.Event()
+    thread = threading.Thread(target=scheduler.run, args=(stop,), name="memfit-scheduler", daemon=True)
+    thread.start()
+    return thread, stop
