@@ -16,16 +16,12 @@ ROUTERS = [health.router, files.router, jobs.router, ingest.router]
 
 
 def _known_gpus() -> set[str] | None:
-    """GPU names the spec may name in training.resources.gpu_type, from service.gpus when present."""
+    """GPU names the spec may name in training.resources.gpu_type (service.gpus' catalogue)."""
     try:
-        from service import gpus  # noqa: PLC0415 - optional, written by the planner work
+        from service.gpus import known_gpus
     except ImportError:
         return None
-    for attr in ("GPUS", "CATALOG", "CATALOGUE"):
-        catalogue = getattr(gpus, attr, None)
-        if catalogue:
-            return set(catalogue)
-    return None
+    return set(known_gpus())
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -100,3 +100,112 @@ def ray_session(ray_head):
         )
     yield ray_head
     ray.shutdown()
+
+
+# --- store and API fixtures (service/, api/) ----------------------------------------------------
+#
+# `pg_migrated`: the session's Postgres database at the migrations' head.
+# `api_app` runs once per backend ("postgres" always; "sqlite" too — the embedded default), with a
+# small upload limit and one allowed model directory. Tests build their data with the factories
+# `make_tenant`, `upload_file` and `create_job`; every test makes its own tenants, so tests share
+# the database without seeing each other's rows.
+
+CHAT_JSONL = (
+    '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+    '{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}, '
+    '{"role": "assistant", "content": "4"}]}\n'
+)
+TEST_MAX_UPLOAD_BYTES = 64 * 1024
+
+
+@pytest.fixture(scope="session")
+def pg_migrated(pg_url):
+    from service import db
+
+    db.upgrade(pg_url)
+    return pg_url
+
+
+@pytest.fixture(scope="session", params=["postgres", "sqlite"])
+def backend_url(request, tmp_path_factory):
+    if request.param == "postgres":
+        return request.getfixturevalue("pg_migrated")
+    return f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'memfit.db'}"
+
+
+@pytest.fixture(scope="session")
+def api_settings(backend_url, tmp_path_factory):
+    from service.settings import Settings
+
+    root = tmp_path_factory.mktemp("memfit")
+    (root / "models" / "tiny").mkdir(parents=True)
+    return Settings(
+        database_url=backend_url,
+        storage_dir=root / "storage",
+        model_dirs=[root / "models"],
+        max_upload_bytes=TEST_MAX_UPLOAD_BYTES,
+    )
+
+
+@pytest.fixture(scope="session")
+def api_app(api_settings):
+    from api.app import create_app
+
+    return create_app(api_settings)  # migrates SQLite itself; Postgres is migrated by pg_migrated
+
+
+@pytest.fixture
+def client(api_app):
+    from starlette.testclient import TestClient
+
+    return TestClient(api_app)
+
+
+class TenantCtx:
+    def __init__(self, issued):
+        self.name = issued.tenant_name
+        self.id = issued.tenant_id
+        self.key = issued.key
+        self.prefix = issued.prefix
+        self.headers = {"Authorization": f"Bearer {issued.key}"}
+
+
+@pytest.fixture
+def make_tenant(api_app):
+    from service import auth
+    from service.db import session_scope
+
+    def make(name: str | None = None) -> TenantCtx:
+        with session_scope(api_app.state.sessions) as session:
+            return TenantCtx(auth.create_key(session, name or f"tenant-{secrets.token_hex(4)}"))
+
+    return make
+
+
+@pytest.fixture
+def tenant(make_tenant) -> TenantCtx:
+    return make_tenant()
+
+
+@pytest.fixture
+def upload_file(client):
+    def upload(tenant: TenantCtx, content: str | bytes = CHAT_JSONL, *, filename="train.jsonl", purpose="fine-tune"):
+        r = client.post(
+            "/v1/files", headers=tenant.headers, files={"file": (filename, content)}, data={"purpose": purpose}
+        )
+        return r
+
+    return upload
+
+
+@pytest.fixture
+def create_job(client, upload_file):
+    def create(tenant: TenantCtx, headers: dict | None = None, **body):
+        if "training_file" not in body:
+            r = upload_file(tenant)
+            assert r.status_code == 200, r.text
+            body["training_file"] = r.json()["id"]
+        body.setdefault("model", "preset:tiny-llama")
+        return client.post("/v1/fine_tuning/jobs", json=body, headers={**tenant.headers, **(headers or {})})
+
+    return create
