@@ -382,6 +382,16 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
     return problems
 
 
+def _is_union_tag(part: Any) -> bool:
+    """pydantic puts the union branch ('int', "literal['auto']", 'list[str]') in an error's loc; drop
+    those, but not field names that merely start the same way ('strategy')."""
+    if not isinstance(part, str):
+        return False
+    return part in ("int", "float", "bool", "str", "none") or part.startswith(
+        ("literal[", "list[", "dict[", "function-", "constrained-", "nullable[")
+    )
+
+
 def validate_spec(body: dict[str, Any], known_gpus: set[str] | None = None) -> JobSpec:
     """Parse and check a body. Raises SpecError listing every problem (field and cross-field)."""
     from pydantic import ValidationError
@@ -391,7 +401,7 @@ def validate_spec(body: dict[str, Any], known_gpus: set[str] | None = None) -> J
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p.startswith(("literal[", "int", "float", "bool", "str", "list[", "dict["))))
+            loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
             code = "unknown_field" if err["type"] == "extra_forbidden" else "invalid_value"
             message = "unknown field" if code == "unknown_field" else err["msg"]
             problems.append(FieldProblem(param=loc or "body", message=message, code=code))

@@ -1,0 +1,34 @@
+"""The service never imports torch or ray: api/ and service/ stay light (STYLE.md, Layers)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROBE = """
+import sys
+import api.app, api.routes.jobs, api.routes.files, service.jobs, service.spec, service.cli, service.db, service.auth
+import service.files, service.datafmt, service.states, service.models
+app = api.app.create_app(__import__("service.settings", fromlist=["Settings"]).Settings(
+    database_url="sqlite:///" + sys.argv[1], storage_dir=sys.argv[2]))
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "ray", "transformers", "deepspeed", "peft"))
+print(",".join(heavy))
+"""
+
+
+def test_api_and_service_do_not_import_torch_or_ray(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(tmp_path / "l.db"), str(tmp_path / "s")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"heavy modules imported: {out.stdout}"
+
+
+def test_service_never_imports_api():
+    for path in (ROOT / "service").glob("*.py"):
+        text = path.read_text()
+        assert "from api" not in text and "import api" not in text, path.name
