@@ -95,3 +95,26 @@ class LiveServer:
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=30)
+
+
+def own_database(pg_url: str):
+    """A module's own Postgres database (next to the session's), so that schedulers under test never
+    see — and adopt — jobs other test modules left running. Yields its URL, drops it afterwards."""
+    from contextlib import contextmanager
+
+    from tests.conftest import _pg_admin
+
+    @contextmanager
+    def _cm():
+        name = f"memfit_test_{secrets.token_hex(4)}"
+        with _pg_admin() as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield pg_url.rsplit("/", 1)[0] + "/" + name
+        finally:
+            with _pg_admin() as admin:
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                              "WHERE datname = %s AND pid <> pg_backend_pid()", (name,))
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+    return _cm()
