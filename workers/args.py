@@ -1,0 +1,121 @@
+"""The one place a JobSpec becomes flat training arguments. Strategy code only ever sees TrainArgs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from service.spec import MERGEABLE_PEFT, RunRequest
+
+
+@dataclass
+class TrainArgs:
+    job_id: str
+    output_dir: str
+    training_path: str
+    model: str
+    validation_path: str | None = None
+    model_path: str | None = None
+    attempt: int = 1
+    strategy: str = "ddp"
+    precision: str = "fp32"
+    gradient_checkpointing: bool = False
+    attention: str = "sdpa"
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float | None = 1.0
+    micro_batch_size: int = 4
+    accumulation: int = 1
+    max_seq_length: int = 512
+    max_steps: int | None = None
+    n_epochs: int = 1
+    packing: bool = False
+    seed: int = 42
+    peft_method: str = "none"
+    peft_r: int = 8
+    peft_alpha: float = 16.0
+    peft_dropout: float = 0.0
+    peft_targets: list[str] | str = "auto"
+    peft_virtual_tokens: int = 16
+    peft_merge: bool = True
+    fsdp_reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
+    ds_stage: int = 2
+    ds_offload_optimizer: str = "none"
+    ds_offload_param: str = "none"
+    ds_reduce_bucket_elements: int | None = None
+    qat_enabled: bool = False
+    qat_group_size: int = 32
+    pipeline_schedule: str = "1f1b"
+    pipeline_microbatches: int = 4
+    checkpoint_every_steps: int = 50
+    telemetry_every_steps: int = 1
+    memory_trace_every_steps: int = 10
+    host_memory_budget_bytes: int | None = None
+    plan: dict | None = None
+    # Fault injection for tests: "<step>[:<rank>]" makes that rank exit once at that step.
+    fail_at: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_peft(self) -> bool:
+        return self.peft_method != "none"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def train_args(req: RunRequest, fail_at: str | None = None) -> TrainArgs:
+    spec = req.spec
+    t = spec.training
+    hp = t.hyperparameters
+    r = spec.resolved()
+    peft_method = t.peft.method.value
+    return TrainArgs(
+        job_id=req.job_id,
+        attempt=req.attempt,
+        output_dir=req.output_dir,
+        training_path=req.training_path,
+        validation_path=req.validation_path,
+        model=spec.model,
+        model_path=req.model_path,
+        strategy=t.strategy.value,
+        precision=t.precision.value,
+        gradient_checkpointing=t.gradient_checkpointing,
+        attention=t.attention,
+        learning_rate=r.learning_rate,
+        weight_decay=hp.weight_decay,
+        warmup_steps=hp.warmup_steps,
+        max_grad_norm=hp.max_grad_norm,
+        micro_batch_size=r.micro_batch_size,
+        accumulation=r.gradient_accumulation_steps,
+        max_seq_length=hp.max_seq_length,
+        max_steps=hp.max_steps,
+        n_epochs=r.n_epochs,
+        packing=hp.packing,
+        seed=r.seed,
+        peft_method=peft_method,
+        peft_r=t.peft.r,
+        peft_alpha=t.peft.alpha,
+        peft_dropout=t.peft.dropout,
+        peft_targets=t.peft.target_modules,
+        peft_virtual_tokens=t.peft.num_virtual_tokens,
+        peft_merge=t.peft.merge and t.peft.method in MERGEABLE_PEFT,
+        fsdp_reshard_after_forward=t.fsdp.reshard_after_forward,
+        fsdp_cpu_offload=t.fsdp.cpu_offload,
+        ds_stage=t.deepspeed.zero_stage,
+        ds_offload_optimizer=t.deepspeed.offload_optimizer,
+        ds_offload_param=t.deepspeed.offload_param,
+        ds_reduce_bucket_elements=t.deepspeed.reduce_bucket_elements,
+        qat_enabled=t.qat.enabled,
+        qat_group_size=t.qat.group_size,
+        pipeline_schedule=t.pipeline.schedule,
+        pipeline_microbatches=t.pipeline.microbatches,
+        checkpoint_every_steps=t.checkpoint_every_steps,
+        telemetry_every_steps=t.telemetry_every_steps,
+        memory_trace_every_steps=t.memory_trace_every_steps,
+        host_memory_budget_bytes=t.resources.host_memory_budget_bytes,
+        plan=req.plan,
+        fail_at=fail_at if fail_at is not None else os.environ.get("MEMFIT_FAIL_AT_STEP"),
+    )

@@ -1,0 +1,177 @@
+"""Where a model comes from: a built-in preset, a local Hugging Face directory, or a hub id.
+
+Presets are random-init models built from the config dicts in service/presets.py, with a byte-level
+BPE tokenizer trained in-process to exactly ``vocab_size`` tokens. A built preset is cached on disk
+(``MEMFIT_PRESET_CACHE`` or ~/.cache/memfit/presets) so every rank and every later run loads the
+same weights; the build is seeded and guarded by a file lock so concurrent ranks agree.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+from service.presets import preset_config, preset_name
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# The default chat template when a tokenizer ships none: role tag, newline, content, end tag.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class ModelSourceError(RuntimeError):
+    """The model could not be found or loaded; the message says which source and why."""
+
+
+def preset_cache_dir() -> Path:
+    return Path(os.environ.get("MEMFIT_PRESET_CACHE", Path.home() / ".cache" / "memfit" / "presets"))
+
+
+def _tokenizer_corpus(n_words: int = 6000, seed: int = 0) -> list[str]:
+    """Deterministic English-like text: enough distinct words for the BPE trainer to reach its vocab."""
+    rng = random.Random(seed)
+    base = (
+        "the of and to in is was for on that with as by at from his her they this are have not be "
+        "answer question user assistant system hello world model memory train token learn data "
+        "what why how when where which who please thank you yes no one two three four five"
+    ).split()
+    syll = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "ve", "an", "er", "in", "on", "st", "th", "qu"]
+    words = base + ["".join(rng.choice(syll) for _ in range(rng.randint(1, 4))) for _ in range(n_words)]
+    lines = []
+    for _ in range(4000):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) + ".")
+    lines.extend(" ".join(words[i : i + 10]) for i in range(0, len(words), 10))
+    return lines
+
+
+def train_tokenizer(vocab_size: int, max_length: int):
+    """A byte-level BPE tokenizer with exactly ``vocab_size`` tokens, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(n_words=max(2000, vocab_size)), trainer=trainer)
+    # A small corpus can stop short of vocab_size merges: pad with unused tokens so that the
+    # embedding matrix and the tokenizer agree exactly.
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        model_max_length=max_length,
+    )
+    fast.chat_template = DEFAULT_CHAT_TEMPLATE
+    return fast
+
+
+def build_preset(model: str, cache_dir: Path | None = None) -> Path:
+    """Build (once) and return the directory of a preset model with its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = preset_config(model)
+    key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:10]
+    root = Path(cache_dir or preset_cache_dir())
+    target = root / f"{preset_name(model)}-{key}"
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        tmp = root / f".{target.name}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        max_len = int(cfg.get("max_position_embeddings", cfg.get("n_positions", 1024)))
+        tokenizer = train_tokenizer(int(cfg["vocab_size"]), max_len)
+        config = AutoConfig.for_model(**cfg)
+        config.pad_token_id = tokenizer.pad_token_id
+        config.bos_token_id = tokenizer.bos_token_id
+        config.eos_token_id = tokenizer.eos_token_id
+        torch.manual_seed(0)
+        net = AutoModelForCausalLM.from_config(config)
+        net.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    return target
+
+
+def resolve_model_dir(model: str, model_path: str | None = None) -> str:
+    """A local directory or hub id that ``from_pretrained`` can load, building presets as needed."""
+    if model_path:
+        if not Path(model_path, "config.json").exists():
+            raise ModelSourceError(f"model directory {model_path!r} has no config.json")
+        return model_path
+    if preset_name(model) is not None:
+        try:
+            return str(build_preset(model))
+        except KeyError as exc:
+            raise ModelSourceError(str(exc.args[0])) from None
+    if Path(model).is_dir():
+        if not Path(model, "config.json").exists():
+            raise ModelSourceError(f"model directory {model!r} has no config.json")
+        return model
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        # Offline: the hub id may still be in the local cache; from_pretrained will tell.
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(model, local_files_only=True)
+        except Exception:
+            raise ModelSourceError(
+                f"model {model!r} is a hub id but HF_HUB_OFFLINE is set and it is not in the local cache; "
+                "download it on a machine with network access or give a local directory"
+            ) from None
+    return model
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if not getattr(tok, "chat_template", None):
+        tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tok
+
+
+def load_model(model_dir: str, attention: str = "sdpa", dtype=None):
+    """The model in fp32 (mixed precision is autocast, not a weight dtype) unless ``dtype`` says."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            model_dir, attn_implementation=attention, dtype=dtype or torch.float32
+        )
+    except OSError as exc:
+        raise ModelSourceError(f"cannot load model {model_dir!r}: {exc}") from None
+
+
+def model_family(model) -> str:
+    return getattr(model.config, "model_type", "unknown")
+
+
+def hidden_size(model) -> int:
+    cfg = model.config
+    return int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd"))

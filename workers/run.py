@@ -1,0 +1,167 @@
+"""The Ray job entrypoint: ``python -m workers.run REQUEST.json``.
+
+1. validates the RunRequest (pydantic) and the spec's cross-field rules;
+2. validates the data files — a bad row fails here, naming file and line, before any worker starts;
+3. runs ``TorchTrainer.fit()`` with RunConfig(name=job_id, storage_path=<output_dir>/ray) and the
+   metrics callback; a second run with the same name and storage path resumes from the latest
+   checkpoint of the first (Ray Train V2 reloads the run's checkpoint-manager snapshot);
+4. exits 0, or non-zero with one line of JSON on stderr: {"error": {"code", "message", ...}}.
+
+Connects with ``ray.init(address="auto")`` when RAY_ADDRESS is set (a Ray job always has it) and
+starts a private local instance otherwise (``address="local"``: never attach to a stranger's cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from service.spec import RunRequest, SpecError, check_rules
+from workers.data import DataError, read_jsonl
+from workers.sink import RecordCallback, failure_records, make_sinks
+
+HEALTH_CHECK_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
+
+
+class RunFailed(RuntimeError):
+    def __init__(self, error: dict):
+        self.error = error
+        super().__init__(error.get("message", "run failed"))
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """What every Ray Train worker runs: the spec again (validated), flat args, one strategy."""
+    from workers.args import train_args
+    from workers.steps import WorkerEnv
+    from workers.strategies import train
+
+    req = RunRequest.model_validate(config["request"])
+    args = train_args(req, fail_at=config.get("fail_at"))
+    train(args, WorkerEnv.from_ray())
+
+
+def validate(req: RunRequest) -> None:
+    problems = check_rules(req.spec)
+    if problems:
+        raise SpecError(problems)
+    for path in (req.training_path, req.validation_path):
+        if path is None:
+            continue
+        if not Path(path).exists():
+            raise DataError(0, "file not found", path)
+        read_jsonl(path)
+
+
+def build_trainer(req: RunRequest, fail_at: str | None = None):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    t = req.spec.training
+    res = t.resources
+    use_gpu = res.gpus_per_worker > 0
+    per_worker = {"CPU": res.cpus_per_worker}
+    if use_gpu:
+        per_worker["GPU"] = res.gpus_per_worker
+    callback = RecordCallback(attempt=req.attempt, metrics_path=req.metrics_path, ingest_url=req.ingest_url,
+                              ingest_token=req.ingest_token)
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"request": req.model_dump(mode="json"),
+                           "fail_at": fail_at if fail_at is not None else os.environ.get("MEMFIT_FAIL_AT_STEP")},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
+                                 timeout_s=int(os.environ.get("MEMFIT_DIST_TIMEOUT_S", "1800"))),
+        scaling_config=ScalingConfig(num_workers=res.num_workers, use_gpu=use_gpu, resources_per_worker=per_worker),
+        run_config=RunConfig(
+            name=req.job_id,
+            storage_path=str(Path(req.output_dir).resolve() / "ray"),
+            failure_config=FailureConfig(max_failures=t.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            callbacks=[callback],
+        ),
+    )
+
+
+def fit(req: RunRequest, fail_at: str | None = None):
+    """Validate, train, return Ray's Result. Ray must be initialized. Raises RunFailed with a
+    structured error (and writes it to the sinks) when training fails."""
+    started = time.time()
+    try:
+        validate(req)
+    except (DataError, SpecError) as exc:
+        if isinstance(exc, DataError):
+            error = {"code": "data_error", "message": str(exc), "file": exc.path, "line": exc.line}
+        else:
+            error = {"code": "invalid_spec", "message": str(exc), "errors": [p.model_dump() for p in exc.problems]}
+        _emit_failure(req, error)
+        raise RunFailed(error) from None
+    trainer = build_trainer(req, fail_at)
+    try:
+        return trainer.fit()
+    except Exception as exc:  # noqa: BLE001 - every training failure becomes one structured error
+        failures = failure_records(req.output_dir, req.attempt, since=started)
+        if failures:
+            error = {k: failures[0].get(k) for k in ("code", "message", "rank", "step", "phase")}
+        else:
+            error = {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"[:2000]}
+            failures = [_failure(req, error)]
+        for sink in make_sinks(req):
+            sink.write(failures)
+            sink.close()
+        raise RunFailed(error) from exc
+
+
+def _failure(req: RunRequest, error: dict) -> dict:
+    details = {k: v for k, v in error.items() if k not in ("code", "message", "rank", "step", "phase")}
+    return {"kind": "failure", "attempt": req.attempt, "time": time.time(),
+            **{k: error.get(k) for k in ("code", "message", "rank", "step", "phase")}, "details": details}
+
+
+def _emit_failure(req: RunRequest, error: dict) -> None:
+    for sink in make_sinks(req):
+        sink.write([_failure(req, error)])
+        sink.close()
+
+
+def init_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address="auto", log_to_driver=True)
+    else:
+        ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": HEALTH_CHECK_ENV})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m workers.run REQUEST.json", file=sys.stderr)
+        return 2
+    try:
+        req = RunRequest.model_validate_json(Path(argv[0]).read_text())
+    except OSError as exc:
+        print(json.dumps({"error": {"code": "invalid_request", "message": str(exc)}}), file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        errors = getattr(exc, "errors", lambda: [])()
+        print(json.dumps({"error": {"code": "invalid_request", "message": str(exc).splitlines()[0],
+                                    "errors": [{"param": ".".join(map(str, e["loc"])), "message": e["msg"]} for e in errors]}},
+                         default=str), file=sys.stderr)
+        return 2
+    try:
+        init_ray()
+        fit(req)
+    except RunFailed as exc:
+        print(json.dumps({"error": exc.error}, default=str), file=sys.stderr)
+        return 1
+    print(json.dumps({"status": "succeeded", "job_id": req.job_id, "output_dir": req.output_dir}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Where workers' reports go: sinks that take service.records-shaped dicts, and the Ray Train callback
+that turns per-rank reports into those records.
+
+Workers call ``ray.train.report(metrics)`` with one dict per rank (see workers/steps.py Progress):
+``kind`` "metrics" (step, loss, learning_rate, grad_norm, tokens_per_s, … plus ``memory``: a list of
+MemoryRecord-shaped dicts) or "result" (rank 0 carries ``result``: fine_tuned_model, artifacts…).
+:class:`RecordCallback` runs inside the Ray Train controller actor — not the driver — so it is built
+from plain data (paths, URL, token) and opens its sinks there, on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+try:
+    from ray.train import UserCallback
+except ImportError:  # pragma: no cover - the sink is importable without the [train] extra
+    UserCallback = object
+
+METRIC_FIELDS = ("rank", "step", "total_steps", "epoch", "loss", "eval_loss", "learning_rate", "grad_norm",
+                 "tokens_per_s", "trained_tokens", "step_time_s")
+MEMORY_FIELDS = ("rank", "step", "phase", "source", "parameters_bytes", "gradients_bytes", "optimizer_bytes",
+                 "activations_bytes", "temporary_bytes", "other_bytes", "peak_bytes", "host_parameters_bytes",
+                 "host_gradients_bytes", "host_optimizer_bytes", "process_rss_bytes", "device")
+
+
+class MetricsSink(Protocol):
+    def write(self, records: list[dict]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """Appends one JSON object per line; each batch is opened, written and closed, so the file is
+    complete after every write and several processes (controller, driver) may append."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def write(self, records: list[dict]) -> None:
+        if not records:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps(r, default=str) + "\n" for r in records)
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(text)
+
+    def close(self) -> None:
+        pass
+
+
+def make_sinks(run_request) -> list[MetricsSink]:
+    """JsonlSink when ``metrics_path`` is set; the API's HttpSink when ``ingest_url`` is set.
+    ``run_request`` is a RunRequest or any object/dict with those fields."""
+    get = run_request.get if isinstance(run_request, dict) else lambda k: getattr(run_request, k, None)
+    sinks: list[MetricsSink] = []
+    if get("metrics_path"):
+        sinks.append(JsonlSink(get("metrics_path")))
+    if get("ingest_url"):
+        try:
+            from workers.sink_http import HttpSink
+        except ImportError as exc:
+            log.warning("ingest_url is set but workers.sink_http is unavailable (%s); metrics go to JSON lines only", exc)
+        else:
+            sinks.append(HttpSink(get("ingest_url"), get("ingest_token")))
+    return sinks
+
+
+# --- per-rank reports → records -----------------------------------------------------------------
+
+
+def _clean(d: dict, fields: tuple[str, ...]) -> dict:
+    return {k: d[k] for k in fields if k in d and d[k] is not None}
+
+
+def report_to_records(per_rank: list[dict], checkpoint_path: str | None, attempt: int, now: float | None = None) -> list[dict]:
+    """Turn one report (a dict per rank) into service.records dicts, attempt and time stamped."""
+    now = time.time() if now is None else now
+    stamp = {"attempt": attempt, "time": now}
+    records: list[dict] = []
+    for rank, m in enumerate(per_rank):
+        if not m:
+            continue
+        kind = m.get("kind", "metrics")
+        if kind == "metrics":
+            records.append({"kind": "metrics", **stamp, **_clean({"rank": rank, **m}, METRIC_FIELDS)})
+            for mem in m.get("memory") or []:
+                records.append({"kind": "memory", **stamp, **_clean({"rank": rank, **mem}, MEMORY_FIELDS)})
+        elif kind == "result" and m.get("result"):
+            r = m["result"]
+            records.append({"kind": "result", **stamp, "fine_tuned_model": r["fine_tuned_model"],
+                            "artifacts": r.get("artifacts", {}), "trained_tokens": r.get("trained_tokens"),
+                            "metrics": r.get("metrics", {})})
+        if m.get("failure"):
+            f = m["failure"]
+            records.append({"kind": "failure", **stamp, **{k: f.get(k) for k in ("code", "message", "rank", "step", "phase")},
+                            "details": f.get("details") or {}})
+    if checkpoint_path is not None and per_rank and per_rank[0]:
+        first = per_rank[0]
+        records.append({"kind": "checkpoint", **stamp, "step": int(first.get("step", 0)), "path": checkpoint_path,
+                        "metrics": _clean(first, ("loss", "eval_loss", "learning_rate"))})
+    return records
+
+
+def failure_records(output_dir: str | Path, attempt: int, since: float = 0.0) -> list[dict]:
+    """Structured failures workers wrote beside the outputs (failure-rank<r>.json), newest run only."""
+    out = []
+    for path in sorted(Path(output_dir).glob("failure-rank*.json")):
+        if path.stat().st_mtime < since:
+            continue
+        try:
+            f = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        out.append({"kind": "failure", "attempt": attempt, "time": path.stat().st_mtime,
+                    **{k: f.get(k) for k in ("code", "message", "rank", "step", "phase")}, "details": f.get("details") or {}})
+    return out
+
+
+class RecordCallback(UserCallback):
+    """Ray Train V2 controller callback: per-rank reports → records → sinks.
+
+    Constructed from plain data because Ray pickles it into the controller actor."""
+
+    def __init__(self, *, attempt: int = 1, metrics_path: str | None = None, ingest_url: str | None = None,
+                 ingest_token: str | None = None):
+        self.attempt = attempt
+        self.metrics_path = metrics_path
+        self.ingest_url = ingest_url
+        self.ingest_token = ingest_token
+        self._sinks: list[MetricsSink] | None = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_sinks"] = None  # sinks hold files/clients: reopen them on the other side
+        return state
+
+    @property
+    def sinks(self) -> list[MetricsSink]:
+        if self._sinks is None:
+            self._sinks = make_sinks({"metrics_path": self.metrics_path, "ingest_url": self.ingest_url,
+                                      "ingest_token": self.ingest_token})
+        return self._sinks
+
+    def emit(self, records: list[dict]) -> None:
+        for sink in self.sinks:
+            try:
+                sink.write(records)
+            except Exception as exc:  # noqa: BLE001 - a sink failure must never stop training
+                log.warning("metrics sink %s failed: %s", type(sink).__name__, exc)
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        path = getattr(checkpoint, "path", None) if checkpoint is not None else None
+        records = report_to_records(metrics, path, self.attempt)
+        self.emit(records)
+        if any(r["kind"] == "result" for r in records):
+            for sink in self.sinks:
+                try:
+                    sink.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            self._sinks = None
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        # Ray may restart the worker group (FailureConfig.max_failures): this is an event, not the
+        # job's final failure, which the driver reports when fit() gives up.
+        ranks = sorted(worker_exceptions)
+        message = "; ".join(f"rank {r}: {type(e).__name__}: {e}"[:500] for r, e in worker_exceptions.items())
+        self.emit([{"kind": "event", "attempt": self.attempt, "time": time.time(), "level": "warn",
+                    "message": f"worker group failed ({message})"[:4000], "data": {"ranks": ranks}}])

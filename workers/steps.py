@@ -1,0 +1,358 @@
+"""Helpers every strategy shares: where the worker runs, the loss, one accumulated step, the
+optimizer and schedule, and the cadence of reports and checkpoints.
+
+The maths of accumulation (why the loss is scaled the way it is): one optimizer step covers
+``accumulation`` micro-batches on each of ``world`` ranks. The update we want is the gradient of
+
+    L = (Σ over all micro-batches and ranks of the summed token losses) / T,
+
+with T the number of label tokens (not -100) in the whole window across ranks — exactly what one
+big batch would give. Each backward therefore uses ``loss_sum × world / T``: the data-parallel
+all-reduce (DDP, FSDP2's reduce-scatter, DeepSpeed) *averages* gradients over ranks, and the
+``× world`` undoes that average so the result is the plain sum divided by T.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from workers.args import TrainArgs
+
+try:  # owned by another engineer; optional until it lands
+    from workers.telemetry import HostMemoryExceeded, StepTelemetry
+except ImportError:  # pragma: no cover - only while telemetry.py is missing
+    StepTelemetry = None
+
+    class HostMemoryExceeded(RuntimeError):
+        pass
+
+
+# --- where this worker runs ---------------------------------------------------------------------
+
+
+@dataclass
+class WorkerEnv:
+    """Rank, device and the two Ray Train calls a strategy needs, swappable for a plain process
+    (single-process tests, benchmarks under torch.multiprocessing)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    in_ray: bool = False
+    reports: list[dict] = field(default_factory=list)  # local mode: what would have been reported
+    checkpoints: list[str] = field(default_factory=list)
+    resume_dir: str | None = None
+
+    @classmethod
+    def from_ray(cls) -> "WorkerEnv":
+        import ray.train
+        import ray.train.torch
+
+        ctx = ray.train.get_context()
+        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), in_ray=True)
+
+    @classmethod
+    def local(cls, device: str | torch.device = "cpu") -> "WorkerEnv":
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), torch.device(device))
+        return cls(0, 1, torch.device(device))
+
+    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
+        if self.in_ray:
+            import ray.train
+
+            ckpt = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+            ray.train.report(metrics, checkpoint=ckpt)
+        else:
+            self.reports.append(metrics)
+            if checkpoint_dir:
+                self.checkpoints.append(checkpoint_dir)
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self):
+        """The directory of the checkpoint to resume from, or None."""
+        if self.in_ray:
+            import ray.train
+
+            ckpt = ray.train.get_checkpoint()
+            if ckpt is None:
+                yield None
+                return
+            with ckpt.as_directory() as d:
+                yield d
+        else:
+            yield self.resume_dir
+
+
+def distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(value: float | int, device: torch.device) -> float:
+    if not distributed():
+        return float(value)
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+# --- loss and one optimizer step ----------------------------------------------------------------
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over label positions that are not -100, in fp32.
+    Prompt tuning prepends virtual tokens to the logits: only the last len(labels) positions count."""
+    if logits.shape[1] > labels.shape[1]:
+        logits = logits[:, -labels.shape[1] :]
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:].to(shift_logits.device)
+    return F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+
+
+def label_tokens(batch: dict) -> int:
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_grad_scaler(precision: str, device: torch.device):
+    """fp16 needs loss scaling; only on CUDA (the spec refuses fp16 on CPU workers)."""
+    if precision != "fp16":
+        return None
+    if device.type != "cuda":
+        raise RuntimeError("fp16 needs a CUDA device; use bf16 on CPU workers")
+    return torch.amp.GradScaler("cuda")
+
+
+def forward_loss_sum(model, batch: dict, device: torch.device, amp_dtype) -> torch.Tensor:
+    with autocast(device, amp_dtype):
+        out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+    return token_loss_sum(out.logits, batch["labels"])
+
+
+def accumulate_gradients(
+    model,
+    micro_batches: list[dict],
+    *,
+    device: torch.device,
+    world_size: int,
+    amp_dtype=None,
+    scaler=None,
+    tel=None,
+    no_sync: Callable[[], Any] | None = None,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    where: dict | None = None,
+) -> tuple[float, int, int]:
+    """Forward and backward every micro-batch of one optimizer step with the loss scaled as the
+    module docstring explains. Returns (mean loss over the window across ranks, global label
+    tokens, local input tokens). ``no_sync`` skips DDP's all-reduce on all but the last micro-batch;
+    ``backward`` replaces ``loss.backward()`` (DeepSpeed's engine.backward); ``where["phase"]``
+    tracks the phase for an out-of-memory report."""
+    where = where if where is not None else {}
+    local_tokens = sum(label_tokens(b) for b in micro_batches)
+    global_tokens = all_reduce_sum(local_tokens, device)
+    scale = world_size / max(global_tokens, 1.0)
+    loss_total = torch.zeros((), dtype=torch.float64)
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+        with ctx:
+            where["phase"] = "forward"
+            loss_sum = forward_loss_sum(model, batch, device, amp_dtype)
+            if tel is not None:
+                tel.mark("forward")
+            loss = loss_sum * scale
+            where["phase"] = "backward"
+            if backward is not None:
+                backward(loss)
+            elif scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            if tel is not None:
+                tel.mark("backward")
+        loss_total += loss_sum.detach().double().cpu()
+    mean_loss = all_reduce_sum(float(loss_total), device) / max(global_tokens, 1.0)
+    input_tokens = sum(int(b["attention_mask"].sum()) for b in micro_batches)
+    return mean_loss, int(global_tokens), input_tokens
+
+
+def clip_and_step(model, optimizer, scheduler, max_grad_norm: float | None, scaler=None) -> float:
+    """Clip, step, schedule, zero. Returns the total gradient norm before clipping."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor over the mesh
+        norm = norm.full_tensor()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def make_optimizer(model, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    # foreach=False: the multi-tensor path cannot mix DTensor shards with the offload policy's
+    # host tensors, and on CPU it saves nothing measurable.
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
+
+
+def warmup_cosine(optimizer, warmup_steps: int, total_steps: int):
+    """Linear warm-up to the peak, then cosine decay to 10% of it at the last step."""
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing: works with frozen inputs (PEFT) and FSDP2."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def make_telemetry(args: TrainArgs, env: WorkerEnv, model, optimizer, strategy: str, offload: dict):
+    if StepTelemetry is None:
+        return None
+    tel = StepTelemetry(
+        rank=env.rank, device=env.device, model=model, optimizer=optimizer,
+        every_steps=args.telemetry_every_steps, trace_every_steps=args.memory_trace_every_steps,
+        host_budget_bytes=args.host_memory_budget_bytes, offload=offload, strategy=strategy,
+    )
+    tel.plan = args.plan
+    return tel
+
+
+# --- the cadence of reports, checkpoints and failures -------------------------------------------
+
+
+def maybe_inject_failure(args: TrainArgs, env: WorkerEnv, step: int) -> None:
+    """MEMFIT_FAIL_AT_STEP=<step>[:<rank>]: exit that rank once (a marker file remembers it)."""
+    if not args.fail_at:
+        return
+    at, _, rank = args.fail_at.partition(":")
+    if int(at) != step or int(rank or 0) != env.rank:
+        return
+    marker = Path(args.output_dir) / f".failed-at-{at}-rank{env.rank}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(time.time()))
+    os._exit(1)
+
+
+@dataclass
+class Progress:
+    """Decides, per completed step, what to report; every rank calls it the same way, since
+    ray.train.report is a barrier that every rank must reach equally often."""
+
+    args: TrainArgs
+    env: WorkerEnv
+    total_steps: int
+    epoch_of: Callable[[int], float]
+    trained_tokens: int = 0
+    started_at: float = field(default_factory=time.perf_counter)
+
+    def due_checkpoint(self, step: int) -> bool:
+        return step % self.args.checkpoint_every_steps == 0 or step == self.total_steps
+
+    def due_metrics(self, step: int, memory: list) -> bool:
+        return bool(memory) or step % self.args.telemetry_every_steps == 0 or step == self.total_steps
+
+    def metrics(self, step: int, *, loss, lr, grad_norm, step_time_s, tokens, eval_loss=None, memory=()) -> dict:
+        m = {
+            "kind": "metrics",
+            "rank": self.env.rank,
+            "step": step,
+            "total_steps": self.total_steps,
+            "epoch": round(self.epoch_of(step), 4),
+            "loss": loss,
+            "learning_rate": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens / step_time_s if step_time_s > 0 else None,
+            "trained_tokens": self.trained_tokens,
+            "step_time_s": step_time_s,
+            "memory": list(memory),
+        }
+        if eval_loss is not None:
+            m["eval_loss"] = eval_loss
+        return m
+
+    def report(self, metrics: dict, save_state: Callable[[str], None] | None) -> None:
+        """Report metrics; with ``save_state`` also a checkpoint (every rank writes into its own
+        temporary directory, Ray merges them into one checkpoint directory in storage)."""
+        if save_state is None:
+            self.env.report(metrics)
+            return
+        with tempfile.TemporaryDirectory(prefix="memfit-ckpt-") as d:
+            save_state(d)
+            if self.env.in_ray:
+                self.env.report(metrics, d)
+            else:  # local mode keeps the directory: copy it under output_dir
+                import shutil
+
+                keep = Path(self.args.output_dir) / "checkpoints" / f"step-{metrics['step']}"
+                shutil.rmtree(keep, ignore_errors=True)
+                shutil.copytree(d, keep)
+                self.env.report(metrics, str(keep))
+
+
+def write_failure(args: TrainArgs, env: WorkerEnv, exc: BaseException, step: int, phase: str, tel) -> dict:
+    """The structured out-of-memory failure, written beside the job's outputs for the driver."""
+    import json
+
+    details = tel.post_mortem(exc, step=step, phase=phase) if tel is not None else {}
+    failure = {
+        "kind": "failure",
+        "code": "out_of_memory",
+        "message": f"{type(exc).__name__}: {exc}"[:8000],
+        "rank": env.rank,
+        "step": step,
+        "phase": phase,
+        "details": details,
+    }
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"failure-rank{env.rank}.json").write_text(json.dumps(failure, default=str))
+    return failure
+
+
+OOM_ERRORS = (torch.OutOfMemoryError, HostMemoryExceeded)
