@@ -46,6 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = db.make_sessionmaker(engine)
+    app.state.read_sessions = db.make_read_sessionmaker(engine)
     app.state.known_gpus = _known_gpus()
     app.state.schema_head = db.head_revision()
     errors.install(app)

@@ -45,6 +45,12 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
+def make_read_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    """Sessions for read-only requests: autocommit, so a GET costs its SELECTs and no BEGIN/ROLLBACK
+    round trips. Never use them for writes that must be atomic."""
+    return sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False)
+
+
 @contextmanager
 def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
     """One transaction: commit on success, roll back on any exception."""

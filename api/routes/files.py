@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from api.deps import PrincipalDep, SessionDep, SettingsDep
+from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
 from api.schemas import FileDeletedPublic, FilePublic, ListPublic, file_public, page_public
 from service import files
 from service.errors import BadRequest, PayloadTooLarge
@@ -80,7 +80,7 @@ def _store(session, principal, settings, upload, purpose):
 
 @router.get("", response_model=ListPublic[FilePublic])
 def list_files(
-    session: SessionDep,
+    session: ReadSessionDep,
     principal: PrincipalDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
@@ -91,12 +91,12 @@ def list_files(
 
 
 @router.get("/{file_id}", response_model=FilePublic)
-def get_file(file_id: str, session: SessionDep, principal: PrincipalDep):
+def get_file(file_id: str, session: ReadSessionDep, principal: PrincipalDep):
     return file_public(files.get_file(session, principal, file_id))
 
 
 @router.get("/{file_id}/content", response_class=FileResponse)
-def file_content(file_id: str, session: SessionDep, principal: PrincipalDep):
+def file_content(file_id: str, session: ReadSessionDep, principal: PrincipalDep):
     row = files.get_file(session, principal, file_id)
     return FileResponse(row.path, media_type="application/jsonl", filename=row.filename)
 

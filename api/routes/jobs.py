@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Header, Query, Request
 from fastapi.responses import JSONResponse
 
-from api.deps import PrincipalDep, SessionDep, SettingsDep
+from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
 from api.schemas import (
     CheckpointPublic,
     EventPublic,
@@ -58,7 +58,7 @@ def _metadata_filter(request: Request) -> dict[str, str]:
 @router.get("", response_model=ListPublic[JobPublic])
 def list_jobs(
     request: Request,
-    session: SessionDep,
+    session: ReadSessionDep,
     principal: PrincipalDep,
     after: str | None = None,
     limit: Limit = 20,
@@ -71,7 +71,7 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job_id: str, session: SessionDep, principal: PrincipalDep):
+def get_job(job_id: str, session: ReadSessionDep, principal: PrincipalDep):
     return job_public(jobs.get_job(session, principal, job_id))
 
 
@@ -91,14 +91,14 @@ def resume_job(job_id: str, session: SessionDep, principal: PrincipalDep):
 
 
 @router.get("/{job_id}/events", response_model=ListPublic[EventPublic])
-def list_events(job_id: str, session: SessionDep, principal: PrincipalDep, after: str | None = None, limit: Limit = 20):
+def list_events(job_id: str, session: ReadSessionDep, principal: PrincipalDep, after: str | None = None, limit: Limit = 20):
     page = jobs.list_events(session, principal, job_id, after=after, limit=limit)
     return page_public([event_public(e) for e in page], page.has_more)
 
 
 @router.get("/{job_id}/checkpoints", response_model=ListPublic[CheckpointPublic])
 def list_checkpoints(
-    job_id: str, session: SessionDep, principal: PrincipalDep, after: str | None = None, limit: Limit = 10
+    job_id: str, session: ReadSessionDep, principal: PrincipalDep, after: str | None = None, limit: Limit = 10
 ):
     page = jobs.list_checkpoints(session, principal, job_id, after=after, limit=limit)
     return page_public([checkpoint_public(c) for c in page], page.has_more)
