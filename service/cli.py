@@ -29,8 +29,14 @@ def serve(
 
     from service.settings import get_settings
 
-    get_settings()  # refuse unsafe settings before binding the port
-    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
+    settings = get_settings()  # refuse unsafe settings before binding the port
+    if not settings.scheduler_enabled:
+        uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
+        return
+    from service.embedded import background_scheduler, with_api_url  # the scheduler (+ local Ray head)
+
+    with background_scheduler(with_api_url(settings, host, port)):
+        uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
 
 
 def _sessions():
@@ -100,6 +106,10 @@ def db_upgrade(revision: str = typer.Argument("head")) -> None:
     console.print(f"database at {revision}")
 
 
+from service.run_command import run_cli, scheduler_cli  # noqa: E402 - the scheduler's commands
+
+app.command("run")(run_cli)
+app.command("scheduler")(scheduler_cli)
 app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
 

@@ -155,7 +155,8 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
             fine_tuned_model=ending.fine_tuned_model, result_files=[results.id],
             lease_owner=None, desired_state=None, estimated_finish=None,
             **{k: v for k, v in fields.items() if k != "estimated_finish"},
-            event_data={"fine_tuned_model": ending.fine_tuned_model, "artifacts": ending.artifacts,
+            event_data={"fine_tuned_model": ending.fine_tuned_model,
+                        "artifacts": resolve_artifacts(settings.storage_dir / "jobs" / job.id, ending.artifacts),
                         "result_files": [results.id]},
         )
         status, new = JobStatus.succeeded.value, new + 1
@@ -228,7 +229,8 @@ def _write_results_file(session: Session, settings: Settings, job: Job, r: Resul
     path = out / "results.json"
     body = {
         "job_id": job.id, "attempt": job.attempt, "fine_tuned_model": r.fine_tuned_model,
-        "artifacts": r.artifacts, "trained_tokens": r.trained_tokens, "metrics": r.metrics,
+        "artifacts": resolve_artifacts(out, r.artifacts), "trained_tokens": r.trained_tokens,
+        "metrics": r.metrics,
     }
     data = json.dumps(body, indent=1, default=str).encode()
     tmp = path.with_suffix(".part")
@@ -240,6 +242,11 @@ def _write_results_file(session: Session, settings: Settings, job: Job, r: Resul
     session.add(row)
     session.flush()
     return row
+
+
+def resolve_artifacts(job_dir: Path, artifacts: dict[str, str]) -> dict[str, str]:
+    """Workers name artifacts relative to the job's storage; users get absolute paths."""
+    return {name: str(job_dir / path) if not os.path.isabs(path) else path for name, path in artifacts.items()}
 
 
 def _ts(t: float) -> datetime:

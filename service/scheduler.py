@@ -347,6 +347,8 @@ class Scheduler:
     result_grace_s: float = 5.0
     # Pause waits for the next checkpoint, at most this long, then stops anyway.
     pause_timeout_s: float = 120.0
+    # A run that ended itself (result/failure posted) gets this long to exit before it is stopped.
+    exit_grace_s: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
     _watch: dict[str, _Watch] = field(default_factory=dict)
     _last_heartbeat: float = 0.0
@@ -562,15 +564,19 @@ class Scheduler:
             ).all()
             # Terminal or paused in the database while Ray may still run them: stop those (any owner).
             strays = s.execute(
-                select(Job.id, Job.attempt, Job.status, Job.ray_status)
+                select(Job.id, Job.attempt, Job.status, Job.ray_status, Job.desired_state, Job.finished_at)
                 .where(Job.status.in_([*(t.value for t in TERMINAL), JobStatus.paused.value]),
                        Job.ray_submission_id.is_not(None),
                        or_(Job.ray_status.is_(None), Job.ray_status.in_(RAY_ACTIVE)))
             ).all()
         for job_id, attempt, ray_status, desired in owned:
             self._reconcile_running(job_id, attempt, ray_status, desired)
-        for job_id, attempt, status, _ in strays:
-            self._stop_stray(job_id, attempt, status)
+        for job_id, attempt, status, _, desired, finished_at in strays:
+            # A run that reported its own result or failure exits by itself within seconds: let it
+            # (its Ray status then reads SUCCEEDED/FAILED); a cancelled or paused one is stopped now.
+            ended_by_worker = status in (JobStatus.succeeded.value, JobStatus.failed.value) and desired is None
+            young = finished_at is not None and utcnow() - finished_at < timedelta(seconds=self.exit_grace_s)
+            self._stop_stray(job_id, attempt, status, stop=not (ended_by_worker and young))
         live = {row[0] for row in owned}
         for job_id in list(self._watch):
             if job_id not in live:
@@ -640,10 +646,12 @@ class Scheduler:
                  event_data={"reason": "ray_submission_missing", "submission_id": sid, "attempt": attempt})
         self._watch.pop(job_id, None)
 
-    def _stop_stray(self, job_id: str, attempt: int, status: str) -> None:
+    def _stop_stray(self, job_id: str, attempt: int, status: str, stop: bool = True) -> None:
         sid = submission_id(job_id, attempt)
         st = self.ray.status(sid)
         if st is not None and st.status in RAY_ACTIVE:
+            if not stop:
+                return
             self.ray.stop(sid)
             st = self.ray.status(sid)
         new = "GONE" if st is None else st.status
@@ -651,7 +659,7 @@ class Scheduler:
             s.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt)
                       .values(ray_status=new if new != "GONE" else "STOPPED", lease_owner=None)
                       .execution_options(synchronize_session=False))
-            if st is not None and new in RAY_ACTIVE | {"STOPPED"}:
+            if stop and st is not None and new in RAY_ACTIVE | {"STOPPED"}:
                 s.add(JobEvent(job_id=job_id, attempt=attempt, level="info", type="message",
                                message=f"Stopping Ray job {sid} (job is {status})",
                                data={"submission_id": sid, "ray_status": new},

@@ -79,9 +79,10 @@ class HttpSink:
 
     # --- the sink interface ------------------------------------------------------------------
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Queue one record (a service.records dict). Never blocks on the network, never raises."""
-        self.write_many([record])
+    def write(self, records: dict[str, Any] | Iterable[dict[str, Any]]) -> None:
+        """Queue one record or a list of them (service.records dicts, as workers.sink's sinks take).
+        Never blocks on the network, never raises."""
+        self.write_many([records] if isinstance(records, dict) else records)
 
     def write_many(self, records: Iterable[dict[str, Any]]) -> None:
         with self._lock:

@@ -1,0 +1,193 @@
+"""The service in one process: API + scheduler (+ a local Ray head when no cluster is named).
+
+- ``memfit scheduler``: the loop alone, against MEMFIT_DATABASE_URL and MEMFIT_RAY_ADDRESS (the
+  Ray Jobs API URL, e.g. http://raycluster-head-svc:8265 on KubeRay). Several may run at once.
+- ``memfit serve``: the API, with the scheduler in a background thread (``settings.scheduler_enabled``);
+  without MEMFIT_RAY_ADDRESS it starts a local Ray head on free ports and stops exactly that head.
+- ``memfit run examples/x.yaml``: the embedded service in the background of one command, one job
+  over HTTP with a live progress bar, a summary, and everything it started shut down again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from service.raycluster import LocalRayHead, free_port
+from service.settings import Settings
+
+log = logging.getLogger("memfit.embedded")
+
+
+def ray_for(settings: Settings, *, log_path: Path | None = None) -> tuple[Any, LocalRayHead | None]:
+    """(RayJobs, the head we started or None). Starts a local head only without MEMFIT_RAY_ADDRESS."""
+    from service.scheduler import RayJobs
+
+    if settings.ray_address:
+        return RayJobs(settings.ray_address, auth_mode=settings.ray_auth_mode), None
+    os.environ.setdefault("RAY_AUTH_MODE", settings.ray_auth_mode)
+    num_cpus = max(4, os.cpu_count() or 1)
+    head = LocalRayHead(num_cpus=num_cpus, auth_mode=settings.ray_auth_mode, log_path=log_path).start()
+    return RayJobs(head.dashboard_url, auth_mode=settings.ray_auth_mode), head
+
+
+def make_scheduler(settings: Settings, ray, sessions=None):
+    from service import db
+    from service.scheduler import Scheduler
+
+    if sessions is None:
+        sessions = db.make_sessionmaker(db.make_engine(settings.database_url, pool_size=4))
+    return Scheduler(sessions, settings, ray)
+
+
+@contextmanager
+def background_scheduler(settings: Settings, *, ray_log: Path | None = None) -> Iterator[Any]:
+    """The scheduler loop in a thread for as long as the block runs (and the Ray head it needs)."""
+    from service.scheduler import start_in_thread
+
+    ray, head = ray_for(settings, log_path=ray_log)
+    scheduler = make_scheduler(settings, ray)
+    thread, stop = start_in_thread(scheduler)
+    try:
+        yield scheduler
+    finally:
+        stop.set()
+        thread.join(30)
+        if head is not None:
+            head.stop()
+
+
+def with_api_url(settings: Settings, host: str, port: int) -> Settings:
+    """Workers post to the API where it really listens, unless MEMFIT_API_URL says otherwise."""
+    if "api_url" in settings.model_fields_set:
+        return settings
+    reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return settings.model_copy(update={"api_url": f"http://{reach}:{port}"})
+
+
+# --- memfit scheduler ------------------------------------------------------------------------------
+
+
+def scheduler_main(settings: Settings) -> None:
+    """Run the loop until SIGTERM/SIGINT; release our leases on the way out."""
+    from service import db
+    from service.scheduler import Scheduler
+
+    if settings.is_sqlite:
+        db.upgrade(settings.database_url)
+    ray, head = ray_for(settings)
+    sessions = db.make_sessionmaker(db.make_engine(settings.database_url, pool_size=4))
+    scheduler = Scheduler(sessions, settings, ray)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        scheduler.run(stop)
+    finally:
+        if head is not None:
+            head.stop()
+
+
+# --- the embedded service ---------------------------------------------------------------------------
+
+
+@dataclass
+class EmbeddedService:
+    """API on a free port + scheduler thread + local Ray head (unless settings.ray_address)."""
+
+    settings: Settings
+    host: str = "127.0.0.1"
+    port: int = 0
+    log_dir: Path | None = None
+    app: Any = None
+    _server: Any = None
+    _server_thread: threading.Thread | None = None
+    _sched_thread: threading.Thread | None = None
+    _sched_stop: threading.Event | None = None
+    head: LocalRayHead | None = None
+    scheduler: Any = None
+    _started: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "EmbeddedService":
+        import uvicorn
+
+        from api.app import create_app
+        from service.scheduler import start_in_thread
+
+        self.port = self.port or free_port()
+        self.settings = self.settings.model_copy(update={"api_url": self.url})
+        # The Ray head takes seconds to start: do it while the API migrates and boots.
+        ray_box: dict[str, Any] = {}
+
+        def start_ray():
+            try:
+                ray_box["ray"], ray_box["head"] = ray_for(
+                    self.settings, log_path=self.log_dir / "ray-head.log" if self.log_dir else None)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                ray_box["error"] = exc
+
+        ray_thread = threading.Thread(target=start_ray, name="memfit-ray-start", daemon=True)
+        ray_thread.start()
+        try:
+            self.app = create_app(self.settings)
+            config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+            self._server = uvicorn.Server(config)
+            self._server_thread = threading.Thread(target=self._server.run, name="memfit-api", daemon=True)
+            self._server_thread.start()
+            deadline = time.monotonic() + 60
+            while not self._server.started:
+                if time.monotonic() > deadline or not self._server_thread.is_alive():
+                    raise RuntimeError(f"the API did not start on {self.url}")
+                time.sleep(0.05)
+            self._started.append("api")
+        finally:
+            ray_thread.join()
+        if "error" in ray_box:
+            self.stop()
+            raise ray_box["error"]
+        self.head = ray_box["head"]
+        self.scheduler = make_scheduler(self.settings, ray_box["ray"], sessions=self.app.state.sessions)
+        self._sched_thread, self._sched_stop = start_in_thread(self.scheduler)
+        return self
+
+    def stop(self) -> None:
+        if self._sched_stop is not None:
+            self._sched_stop.set()
+            self._sched_thread.join(30)
+            self._sched_stop = None
+        if self._server is not None:
+            self._server.should_exit = True
+            self._server_thread.join(15)
+            self._server = None
+        if self.head is not None:
+            self.head.stop()
+            self.head = None
+
+    def __enter__(self) -> "EmbeddedService":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def quiet_logging(log_file: Path) -> None:
+    """`memfit run` shows a progress bar: service logs go to a file, not the terminal."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "httpx", "ray.dashboard"):
+        logging.getLogger(name).setLevel(logging.WARNING)

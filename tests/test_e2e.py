@@ -1,0 +1,303 @@
+"""End to end over HTTP: real Postgres, the real API on a port, the shared real Ray head, real
+training on CPU. Upload → create → the scheduler claims and submits → the Ray job trains and posts
+its metrics back → succeeded; cancel (queued and running), a SIGKILLed scheduler, a killed worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from sqlalchemy import select
+
+from api.app import create_app
+from service.models import Job
+from service.raycluster import free_port, ray_env
+from service.scheduler import RayJobs, Scheduler, start_in_thread, submission_id
+from tests.scheduler_support import (
+    LiveServer,
+    create_job,
+    migrated,
+    new_key,
+    own_database,
+    settings_for,
+    upload,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "examples" / "data"
+
+TINY = {"hyperparameters": {"max_steps": 6, "micro_batch_size": 2, "max_seq_length": 48, "learning_rate": 0.003},
+        "resources": {"num_workers": 2}, "checkpoint_every_steps": 3}
+
+
+def rows(name: str) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]
+
+
+def training(**overrides) -> dict:
+    t = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TINY.items()}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(t.get(key), dict):
+            t[key].update(value)
+        else:
+            t[key] = value
+    return t
+
+
+class Stack:
+    """API + scheduler on one Postgres database, submitting to the session's Ray head."""
+
+    def __init__(self, url: str, storage: Path, ray_head):
+        self.port = free_port()
+        self.settings = settings_for(url, storage, api_url=f"http://127.0.0.1:{self.port}",
+                                     lease_seconds=3, poll_seconds=0.3)
+        self.app = create_app(self.settings)
+        self.server = LiveServer(self.app, port=self.port).start()
+        self.http = self.server.client()
+        self.ray = RayJobs(ray_head.dashboard_url)
+        self.key = new_key(self.app.state.sessions)
+        self.auth = {"Authorization": f"Bearer {self.key}"}
+        self.train_file = upload(self.http, self.key, rows("chat.jsonl"))
+        self.valid_file = upload(self.http, self.key, rows("chat-validation.jsonl"), name="valid.jsonl")
+        self.scheduler = None
+        self._thread = self._stop = None
+
+    def start_scheduler(self) -> Scheduler:
+        self.scheduler = Scheduler(self.app.state.sessions, self.settings, self.ray)
+        self._thread, self._stop = start_in_thread(self.scheduler)
+        return self.scheduler
+
+    def stop_scheduler(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(30)
+            self._stop = None
+
+    def create(self, **training_overrides) -> str:
+        return create_job(self.http, self.key, self.train_file, training(**training_overrides),
+                          validation_file=self.valid_file)["id"]
+
+    def job(self, job_id: str) -> dict:
+        return self.http.get(f"/v1/fine_tuning/jobs/{job_id}", headers=self.auth).json()
+
+    def events(self, job_id: str) -> list[dict]:
+        out, after = [], None
+        while True:
+            params = {"limit": 100, **({"after": after} if after else {})}
+            page = self.http.get(f"/v1/fine_tuning/jobs/{job_id}/events", params=params, headers=self.auth).json()
+            out.extend(page["data"])
+            if not page["has_more"]:
+                return sorted(out, key=lambda e: int(e["id"].split("-")[-1]))
+            after = page["data"][-1]["id"]
+
+    def metrics_steps(self, job_id: str, rank: int = 0) -> list[int]:
+        return [e["data"]["step"] for e in self.events(job_id) if e["type"] == "metrics" and e["data"]["rank"] == rank]
+
+    def wait(self, job_id: str, statuses: tuple[str, ...], timeout: float = 300) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if job["status"] in statuses:
+                return job
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                raise AssertionError(f"job ended {job['status']}: {job.get('error')}; events: "
+                                     f"{[e['message'] for e in self.events(job_id)][-15:]}")
+            time.sleep(0.5)
+        raise AssertionError(f"job still {self.job(job_id)['status']} after {timeout} s; events: "
+                             f"{[e['message'] for e in self.events(job_id)][-15:]}")
+
+    def wait_until(self, predicate, timeout: float = 240, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def artifacts(self, job: dict) -> dict[str, str]:
+        [file_id] = job["result_files"]
+        return self.http.get(f"/v1/files/{file_id}/content", headers=self.auth).json()["artifacts"]
+
+    def close(self) -> None:
+        self.stop_scheduler()
+        self.http.close()
+        self.server.stop()
+        self.app.state.engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def stack(pg_url, ray_head, tmp_path_factory):
+    with own_database(pg_url) as url:
+        migrated(url)
+        s = Stack(url, tmp_path_factory.mktemp("e2e-storage"), ray_head)
+        s.start_scheduler()
+        yield s
+        s.close()
+
+
+def train_worker_pids(ray_head) -> list[int]:
+    """PIDs of Ray Train worker actors of our head (found by their process title)."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "RayTrainWorker" in cmd and os.getsid(p.pid) == ray_head.process.pid:
+                out.append(p.pid)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return out
+
+
+def test_ddp_lora_job_over_http_succeeds_with_metrics_checkpoints_and_adapter(stack):
+    job_id = stack.create(strategy="ddp", peft={"method": "lora", "r": 8})
+    job = stack.wait(job_id, ("succeeded",))
+    assert job["fine_tuned_model"] and job["trained_tokens"] > 0 and job["finished_at"]
+
+    events = stack.events(job_id)
+    messages = [e["message"] for e in events]
+    for expected in ("Job queued", "Job started", f"Submitted to Ray as {submission_id(job_id, 1)}",
+                     "The job has successfully completed"):
+        assert expected in messages
+    assert stack.metrics_steps(job_id, 0) == [1, 2, 3, 4, 5, 6]  # in order, once each
+    assert stack.metrics_steps(job_id, 1) == [1, 2, 3, 4, 5, 6]
+    ckpts = stack.http.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=stack.auth).json()["data"]
+    assert [c["step_number"] for c in ckpts] == [6, 3]
+    assert all(Path(c["fine_tuned_model_checkpoint"]).exists() for c in ckpts)
+
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = stack.artifacts(job)["adapter"]
+    config = PeftConfig.from_pretrained(adapter)
+    base = AutoModelForCausalLM.from_pretrained(config.base_model_name_or_path)
+    model = PeftModel.from_pretrained(base, adapter)
+    assert any("lora_" in name for name, _ in model.named_parameters())
+    stack.wait_until(lambda: set(stack.ray.submissions_of(job_id).values()) == {"SUCCEEDED"}, 60,
+                     "the Ray job to exit by itself")
+    assert list(stack.ray.submissions_of(job_id)) == [submission_id(job_id, 1)]
+
+
+def test_fsdp_full_fine_tune_over_http_succeeds(stack):
+    job_id = stack.create(strategy="fsdp", hyperparameters={"max_steps": 4}, checkpoint_every_steps=2)
+    job = stack.wait(job_id, ("succeeded",))
+    assert stack.metrics_steps(job_id, 0) == [1, 2, 3, 4]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(stack.artifacts(job)["model"])
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_cancel_a_queued_job_it_never_runs(stack):
+    stack.stop_scheduler()
+    try:
+        job_id = stack.create()
+        Scheduler(stack.app.state.sessions, stack.settings, stack.ray).validate_pending()
+        assert stack.job(job_id)["status"] == "queued"
+        r = stack.http.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", headers=stack.auth)
+        assert r.status_code == 200 and r.json()["status"] == "cancelled"
+        again = stack.http.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", headers=stack.auth)
+        assert again.status_code == 409
+    finally:
+        stack.start_scheduler()
+    time.sleep(2)  # several scheduler ticks
+    assert stack.job(job_id)["status"] == "cancelled"
+    assert "Job started" not in [e["message"] for e in stack.events(job_id)]
+    assert stack.ray.submissions_of(job_id) == {}
+
+
+def test_cancel_a_running_job_stops_the_ray_job(stack, ray_head):
+    job_id = stack.create(hyperparameters={"max_steps": 400}, checkpoint_every_steps=100)
+    stack.wait_until(lambda: stack.metrics_steps(job_id), what="first training step")
+    r = stack.http.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", headers=stack.auth)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    sid = submission_id(job_id, 1)
+    t0 = time.monotonic()
+    stack.wait_until(lambda: stack.ray.status(sid).status == "STOPPED", 60, "the Ray job to stop")
+    stack.wait_until(lambda: not train_worker_pids(ray_head), 60, "the training workers to exit")
+    stopped_after = time.monotonic() - t0
+    print(f"Ray job and workers gone {stopped_after:.1f} s after cancel")
+    steps = stack.metrics_steps(job_id)
+    time.sleep(1.5)
+    assert stack.metrics_steps(job_id) == steps  # nothing more is stored after the cancel
+    assert stack.job(job_id)["status"] == "cancelled"
+
+
+def test_scheduler_sigkill_mid_job_another_adopts_it_no_duplicate_ray_job(stack, tmp_path):
+    stack.stop_scheduler()
+    env = ray_env()
+    env.update({
+        "MEMFIT_DATABASE_URL": stack.settings.database_url,
+        "MEMFIT_STORAGE_DIR": str(stack.settings.storage_dir),
+        "MEMFIT_API_URL": stack.settings.api_url,
+        "MEMFIT_RAY_ADDRESS": stack.ray.address,
+        "MEMFIT_LEASE_SECONDS": "3",
+        "MEMFIT_POLL_SECONDS": "0.3",
+    })
+    log = open(tmp_path / "scheduler.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "scheduler"], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        job_id = stack.create(hyperparameters={"max_steps": 14}, checkpoint_every_steps=7)
+        stack.wait_until(lambda: stack.metrics_steps(job_id), what="first training step under the first scheduler")
+        with stack.app.state.sessions() as s:
+            owner = s.scalar(select(Job.lease_owner).where(Job.id == job_id))
+        assert owner and owner.split(":")[1] == str(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    adopter = stack.start_scheduler()
+    job = stack.wait(job_id, ("succeeded",))
+    with stack.app.state.sessions() as s:
+        row = s.get(Job, job_id)
+        assert row.attempt == 1 and row.status == "succeeded"
+    messages = [e["message"] for e in stack.events(job_id)]
+    assert any(m.startswith(f"Scheduler {adopter.owner} adopted the job") for m in messages)
+    assert stack.metrics_steps(job_id) == list(range(1, 15))
+    assert list(stack.ray.submissions_of(job_id)) == [submission_id(job_id, 1)]  # never resubmitted
+    assert job["fine_tuned_model"]
+
+
+def test_killed_training_worker_resumes_from_checkpoint(stack, ray_head):
+    job_id = stack.create(hyperparameters={"max_steps": 12}, checkpoint_every_steps=4, max_failures=2)
+    ckpt = stack.wait_until(
+        lambda: stack.http.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=stack.auth).json()["data"],
+        what="the first checkpoint")
+    first_ckpt = ckpt[-1]["step_number"]
+    stack.wait_until(lambda: max(stack.metrics_steps(job_id), default=0) > first_ckpt, what="a step past the checkpoint")
+    pids = train_worker_pids(ray_head)
+    assert pids, "no Ray Train worker process found"
+    os.kill(pids[-1], signal.SIGKILL)
+    job = stack.wait(job_id, ("succeeded",))
+    events = stack.events(job_id)
+    assert any(e["message"].startswith("worker group failed") for e in events), [e["message"] for e in events]
+    # Ingest is idempotent by (attempt, rank, step): each step is one event however often it was reported.
+    assert stack.metrics_steps(job_id) == list(range(1, 13))
+    # The JSON-lines sink keeps every report in order: after the restart, training continued from
+    # a checkpointed step (never from step 1 again) and reached the end.
+    import json
+
+    lines = (Path(stack.settings.storage_dir) / "jobs" / job_id / "metrics-attempt-1.jsonl").read_text().splitlines()
+    reported = [r["step"] for r in map(json.loads, lines) if r.get("kind") == "metrics" and r.get("rank") == 0]
+    restart = next(i for i in range(1, len(reported)) if reported[i] <= reported[i - 1])
+    checkpointed = {c["step_number"] for c in stack.http.get(
+        f"/v1/fine_tuning/jobs/{job_id}/checkpoints?limit=100", headers=stack.auth).json()["data"]}
+    assert reported[restart] - 1 in checkpointed and reported[restart] > 1, reported
+    assert reported[-1] == 12
+    with stack.app.state.sessions() as s:
+        assert s.get(Job, job_id).attempt == 1  # Ray's own restart, not a new memfit attempt
+    assert list(stack.ray.submissions_of(job_id)) == [submission_id(job_id, 1)]
+    assert job["fine_tuned_model"]
