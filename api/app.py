@@ -7,12 +7,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors
-from api.routes import files, health, ingest, jobs
+from api.routes import files, health, ingest, jobs, stream
 from service import db
 from service.settings import Settings, ensure_dirs, get_settings
 
 # Other features add their router here, one line each.
-ROUTERS = [health.router, files.router, jobs.router, ingest.router]
+ROUTERS = [health.router, files.router, stream.router, jobs.router, ingest.router]  # stream before jobs: it claims …/events?stream=true
 
 
 def _known_gpus() -> set[str] | None:

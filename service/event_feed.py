@@ -1,0 +1,33 @@
+"""What the live event stream reads: a job's status and its events after a cursor, in one session.
+
+The SSE route (api/routes/stream.py) calls :func:`poll` from a thread, once per poll interval per
+*job* (not per client): one shared poller per job fans the rows out to every open stream.
+
+Why ``id > cursor`` has no gap: every write of a job's events holds the job's row lock until it
+commits (ingest takes ``SELECT … FOR UPDATE`` on the job, status changes UPDATE the job row in the
+same transaction as their event), so a job's event ids become visible in increasing order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.jobs import events_since
+from service.models import Job, JobEvent
+
+T = TypeVar("T")
+
+
+def poll(session: Session, job_id: str, after_id: int, limit: int,
+         render: Callable[[JobEvent], T]) -> tuple[str | None, list[tuple[int, T]]]:
+    """(the job's status, [(event id, render(event))] after ``after_id``, oldest first).
+
+    The status is read *before* the events: when it is terminal, the terminal event (written in the
+    same transaction) is among the rows returned, so a stream may end after sending them.
+    """
+    status = session.scalar(select(Job.status).where(Job.id == job_id))
+    rows = events_since(session, job_id, after_id, limit=limit)
+    return status, [(r.id, render(r)) for r in rows]
