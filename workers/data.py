@@ -7,8 +7,8 @@ Three formats, one per line, the format told by the keys of the first row:
 - text: ``{"text": "..."}`` — loss on every token.
 
 Labels are aligned with inputs (Hugging Face convention): the loss shifts them by one. -100 marks a
-position that does not count. Row validation lives in :mod:`service.datafmt` when it exists (it runs
-on the API side too); this module keeps an equivalent parser so that workers never depend on it.
+position that does not count. Row validation is :mod:`service.datafmt`'s (the API runs it on
+uploads); the small parser here is only a fallback for an older service package.
 """
 
 from __future__ import annotations
@@ -68,19 +68,25 @@ def _check_row(row, fmt: str | None, line: int, path: str) -> str:
 
 
 def read_jsonl(path: str) -> tuple[str, list[dict]]:
-    """Parse and validate every row; raise DataError at the first bad one. Returns (format, rows)."""
+    """Parse and validate every row; raise DataError (file and line) at the first bad one.
+    Returns (format, rows). Uses service.datafmt — the validator the API runs on uploads — so
+    the driver, the workers and the API agree on what a good row is."""
     try:
-        from service.datafmt import validate_jsonl  # the API-side validator, when present
-    except ImportError:
-        validate_jsonl = None
-    if validate_jsonl is not None:
-        try:
-            validate_jsonl(path)
-        except TypeError:
-            pass  # a different signature: fall back on our own checks below
-        except Exception as exc:  # noqa: BLE001 - re-raise in our type, keeping line and message
-            line = getattr(exc, "line", 0) or 0
-            raise DataError(line, getattr(exc, "message", str(exc)), path) from None
+        from service import datafmt
+    except ImportError:  # pragma: no cover - only where service/ is older than the workers
+        return _read_jsonl_local(path)
+    rows: list[dict] = []
+    try:
+        for _, row in datafmt.iter_examples(path):
+            rows.append(row)
+    except datafmt.DataError as exc:
+        raise DataError(exc.line, exc.message, path) from None
+    if not rows:
+        raise DataError(0, "the file holds no examples", path)
+    return datafmt.detect_format(rows[0]), rows
+
+
+def _read_jsonl_local(path: str) -> tuple[str, list[dict]]:
     rows: list[dict] = []
     fmt: str | None = None
     with open(path, encoding="utf-8") as f:

@@ -330,8 +330,7 @@ class Progress:
                 import shutil
 
                 keep = Path(self.args.output_dir) / "checkpoints" / f"step-{metrics['step']}"
-                shutil.rmtree(keep, ignore_errors=True)
-                shutil.copytree(d, keep)
+                shutil.copytree(d, keep, dirs_exist_ok=True)  # every rank merges its files, like Ray
                 self.env.report(metrics, str(keep))
 
 
