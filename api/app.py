@@ -7,12 +7,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors
-from api.routes import files, health, ingest, jobs, stream
+from api.routes import files, health, ingest, jobs, pages, stream
 from service import db
 from service.settings import Settings, ensure_dirs, get_settings
 
 # Other features add their router here, one line each.
-ROUTERS = [health.router, files.router, stream.router, jobs.router, ingest.router]  # stream before jobs: it claims …/events?stream=true
+ROUTERS = [health.router, files.router, stream.router, jobs.router, ingest.router, pages.router]  # stream before jobs: it claims …/events?stream=true
 
 
 def _known_gpus() -> set[str] | None:
@@ -52,4 +52,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for router in ROUTERS:
         app.include_router(router)
+    pages.install(app)  # the dashboard's static files
     return app

@@ -113,6 +113,12 @@ app.command("scheduler")(scheduler_cli)
 app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
 
+from service.cli_client import files_app, jobs_app, plan_command  # noqa: E402 - the API client commands
+
+app.add_typer(jobs_app, name="jobs")
+app.add_typer(files_app, name="files")
+app.command("plan")(plan_command)
+
 
 def main() -> None:
     app()

@@ -1,0 +1,226 @@
+"""The dashboard: server-rendered HTML pages under /ui, their live-data JSON, and artifact downloads.
+
+- ``/ui/login``: a key entered once is kept in the ``memfit_key`` cookie (HttpOnly, SameSite=Strict);
+  every page and data call authenticates it like the API does (api.web_auth), so a page never shows
+  another tenant's objects (their ids are a 404 here too).
+- ``/ui/jobs``: the jobs list, filterable by status. ``/ui/jobs/{id}``: the job page; its chart data
+  is embedded as JSON (``<script type="application/json" id="job-data">``) and updated live from the
+  SSE stream (api/routes/stream.py) plus ``/ui/jobs/{id}/memory.json`` for new memory samples.
+- ``/ui/planner``: the memory planner as a form.
+- ``/v1/fine_tuning/jobs/{id}/artifacts[/{path}]``: files under the job's output directory
+  (path-traversal safe, tenant-checked), with the API key or the cookie.
+
+Charts are drawn by Chart.js, vendored in api/static (MIT) so the pages work with no internet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from api.deps import ReadSessionDep, SettingsDep
+from api.web_auth import COOKIE, WebPrincipalDep, credentials
+from service import dashboard, jobs
+from service.auth import authenticate
+from service.errors import NotFound, Unauthorized
+from service.states import JobStatus
+
+HERE = Path(__file__).resolve().parent.parent
+templates = Jinja2Templates(directory=str(HERE / "templates"))
+static = StaticFiles(directory=str(HERE / "static"))
+
+router = APIRouter(tags=["dashboard"])
+
+
+def _bytes(n: Any) -> str:
+    if n is None:
+        return "—"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(seconds: Any) -> str:
+    if seconds is None:
+        return "—"
+    s = int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= size:
+            return f"{s // size} {unit}"
+    return f"{s} s"
+
+
+def _pct(x: Any) -> str:
+    return "—" if x is None else f"{x * 100:+.1f}%"
+
+
+templates.env.filters["bytes"] = _bytes
+templates.env.filters["age"] = _age
+templates.env.filters["pct"] = _pct
+
+
+def _json_for_script(data: Any) -> str:
+    """JSON safe inside <script type="application/json">: no '</' can close the element."""
+    return json.dumps(data, default=str).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+templates.env.filters["script_json"] = _json_for_script
+
+
+def _login_redirect(request: Request) -> RedirectResponse:
+    return RedirectResponse(f"/ui/login?next={request.url.path}", status_code=303)
+
+
+def _page_principal(request: Request, session):
+    """The tenant for a page, or None (→ the login page) when there is no valid key."""
+    try:
+        return authenticate(session, credentials(request))
+    except Unauthorized:
+        return None
+
+
+@router.get("/ui", include_in_schema=False)
+def ui_root() -> RedirectResponse:
+    return RedirectResponse("/ui/jobs", status_code=303)
+
+
+@router.get("/ui/login", response_class=HTMLResponse, include_in_schema=False)
+def login_form(request: Request, next: str = "/ui/jobs", error: str | None = None):
+    return templates.TemplateResponse(request, "login.html", {"next": _safe_next(next), "error": error},
+                                      status_code=401 if error else 200)
+
+
+def _safe_next(next: str) -> str:
+    # Only same-site paths: no open redirect to another origin.
+    return next if next.startswith("/ui") and not next.startswith("//") else "/ui/jobs"
+
+
+@router.post("/ui/login", include_in_schema=False)
+def login(request: Request, session: ReadSessionDep, api_key: Annotated[str, Form()],
+          next: Annotated[str, Form()] = "/ui/jobs"):
+    key = api_key.strip()
+    try:
+        authenticate(session, f"Bearer {key}")
+    except Unauthorized as exc:
+        return templates.TemplateResponse(request, "login.html", {"next": _safe_next(next), "error": exc.message},
+                                          status_code=401)
+    response = RedirectResponse(_safe_next(next), status_code=303)
+    response.set_cookie(COOKIE, key, httponly=True, samesite="strict", secure=request.url.scheme == "https",
+                        path="/", max_age=7 * 24 * 3600)
+    return response
+
+
+@router.post("/ui/logout", include_in_schema=False)
+def logout() -> RedirectResponse:
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(COOKIE, path="/")
+    return response
+
+
+@router.get("/ui/jobs", response_class=HTMLResponse, include_in_schema=False)
+def jobs_page(request: Request, session: ReadSessionDep, status: str | None = None):
+    principal = _page_principal(request, session)
+    if principal is None:
+        return _login_redirect(request)
+    if status and status not in {s.value for s in JobStatus}:
+        status = None
+    rows = dashboard.job_rows(session, principal, status=status)
+    return templates.TemplateResponse(request, "jobs.html", {
+        "rows": rows, "status": status, "statuses": [s.value for s in JobStatus],
+        "page_data": {"jobs": rows, "status": status},
+    })
+
+
+@router.get("/ui/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
+def job_page(job_id: str, request: Request, session: ReadSessionDep, settings: SettingsDep):
+    principal = _page_principal(request, session)
+    if principal is None:
+        return _login_redirect(request)
+    view = dashboard.job_view(session, principal, settings, job_id)  # JobNotFound → 404 problem
+    return templates.TemplateResponse(request, "job.html", {"v": view, "page_data": view})
+
+
+@router.get("/ui/jobs/{job_id}/memory.json", include_in_schema=False)
+def job_memory_json(job_id: str, session: ReadSessionDep, principal: WebPrincipalDep,
+                    after_id: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+    """Memory samples newer than ``after_id`` and the job's status line (the page's live updates)."""
+    job = jobs.get_job(session, principal, job_id)
+    samples = dashboard.memory_samples_after(session, job_id, after_id)
+    return {"samples": samples, "status": job.status,
+            "trained_tokens": job.trained_tokens,
+            "estimated_finish": job.estimated_finish.timestamp() if job.estimated_finish else None}
+
+
+# --- artifacts ---------------------------------------------------------------------------------
+
+
+@router.get("/v1/fine_tuning/jobs/{job_id}/artifacts", tags=["fine-tuning"],
+            summary="Files under the job's output directory")
+def list_artifacts(job_id: str, session: ReadSessionDep, principal: WebPrincipalDep, settings: SettingsDep):
+    job = jobs.get_job(session, principal, job_id)
+    files = dashboard.list_output_files(job, settings)
+    return {"object": "list", "data": [{**f, "url": f"/v1/fine_tuning/jobs/{job_id}/artifacts/{f['path']}"}
+                                       for f in files], "has_more": len(files) >= dashboard.MAX_FILES}
+
+
+@router.get("/v1/fine_tuning/jobs/{job_id}/artifacts/{path:path}", tags=["fine-tuning"],
+            summary="Download one file of the job's output directory", response_class=FileResponse)
+def download_artifact(job_id: str, path: str, session: ReadSessionDep, principal: WebPrincipalDep,
+                      settings: SettingsDep) -> Response:
+    job = jobs.get_job(session, principal, job_id)
+    try:
+        target = dashboard.output_file(job, settings, path)
+    except dashboard.FileNotInJob:
+        raise NotFound(f"No file {path!r} in the output of job {job_id}", param="path", code="file_not_found") from None
+    return FileResponse(target, filename=target.name, media_type="application/octet-stream")
+
+
+# --- planner -----------------------------------------------------------------------------------
+
+
+@router.get("/ui/planner", response_class=HTMLResponse, include_in_schema=False)
+def planner_page(request: Request, session: ReadSessionDep):
+    principal = _page_principal(request, session)
+    if principal is None:
+        return _login_redirect(request)
+    return _planner(request, None)
+
+
+@router.post("/ui/planner", response_class=HTMLResponse, include_in_schema=False)
+async def planner_submit(request: Request, session: ReadSessionDep):
+    principal = _page_principal(request, session)
+    if principal is None:
+        return _login_redirect(request)
+    form = dict((await request.form()).items())
+    return _planner(request, {k: str(v) for k, v in form.items()})
+
+
+def _planner(request: Request, form: dict[str, str] | None):
+    from service import plan_page
+
+    ctx = plan_page.evaluate(form, known_gpus=request.app.state.known_gpus)
+    return templates.TemplateResponse(request, "planner.html", {**ctx, "page_data": ctx.get("result")},
+                                      status_code=200 if not ctx.get("errors") else 422)
+
+
+def install(app) -> None:
+    """Mount the static files (Chart.js, the dashboard script and stylesheet)."""
+    app.mount("/ui/static", static, name="ui-static")
+
+
+__all__ = ["router", "install", "JSONResponse"]
+
+
+@router.get("/ui/jobs/{job_id}/view.json", include_in_schema=False)
+def job_view_json(job_id: str, session: ReadSessionDep, principal: WebPrincipalDep, settings: SettingsDep) -> dict[str, Any]:
+    """The job page's data as JSON (what `memfit jobs memory` falls back to)."""
+    return dashboard.job_view(session, principal, settings, job_id)

@@ -1,0 +1,344 @@
+"""What the dashboard pages and `memfit jobs memory` show, assembled from the store (no HTTP here).
+
+- :func:`job_rows`: the jobs list (status, model, strategy, progress, peak memory vs capacity, age);
+- :func:`job_view`: one job's page data — loss/eval-loss and tokens/s per step, memory per category
+  over steps for each rank, predicted against measured per category with the error, the plan's
+  suggestions, events, checkpoints and the files under the job's output directory;
+- :func:`memory_samples_after`: memory points newer than a sample id (the page's live updates).
+
+Memory categories are the ones the planner predicts and the workers measure:
+parameters, gradients, optimizer states, activations and other (temporary buffers + other known
+buffers). ``other`` in the charts is ``temporary_bytes + other_bytes`` of a sample.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.auth import Principal
+from service.jobs import get_job, list_jobs
+from service.models import Checkpoint, Job, JobEvent, MemorySample
+from service.settings import Settings
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "other")
+CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states",
+                   "activations": "activations", "other": "other / temporary"}
+# Planner keys that name each category (issue "Memory": parameters, gradients, optimizer_states,
+# activations, temporary, overhead, total).
+PLAN_KEYS = {"parameters": ("parameters", "parameters_bytes"),
+             "gradients": ("gradients", "gradients_bytes"),
+             "optimizer_states": ("optimizer_states", "optimizer_states_bytes", "optimizer", "optimizer_bytes"),
+             "activations": ("activations", "activations_bytes"),
+             "other": ()}
+MAX_FILES = 500
+
+
+def _num(v: Any) -> int | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return int(v)
+    if isinstance(v, dict) and isinstance(v.get("bytes"), (int, float)):
+        return int(v["bytes"])
+    return None
+
+
+def _category_dict(d: dict) -> dict[str, int] | None:
+    """A dict holding the planner's per-category device bytes, normalised to CATEGORIES + total."""
+    if not isinstance(d, dict):
+        return None
+    out: dict[str, int] = {}
+    for cat, keys in PLAN_KEYS.items():
+        for k in keys:
+            if _num(d.get(k)) is not None:
+                out[cat] = _num(d[k])
+                break
+    if "parameters" not in out:
+        return None
+    other = sum(_num(d.get(k)) or 0 for k in ("temporary", "temporary_bytes", "overhead", "overhead_bytes", "other", "other_bytes"))
+    out["other"] = other
+    total = _num(d.get("total")) if _num(d.get("total")) is not None else _num(d.get("total_bytes"))
+    out["total"] = total if total is not None else sum(out[c] for c in CATEGORIES)
+    return out
+
+
+def plan_breakdown(plan: dict | None) -> dict[str, int] | None:
+    """The plan's per-rank *device* prediction by category (rank 0 when ranks differ), or None.
+
+    Tolerant of the planner's nesting: a ``device`` dict at the top, under ``per_rank``/``ranks``
+    (dict or list), or under ``prediction``/``breakdown``.
+    """
+    if not isinstance(plan, dict):
+        return None
+    queue: list[Any] = [plan]
+    seen = 0
+    while queue and seen < 200:
+        seen += 1
+        node = queue.pop(0)
+        if isinstance(node, list):
+            queue.extend(node[:1])  # rank 0
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key in ("device", "gpu"):
+            found = _category_dict(node.get(key)) if isinstance(node.get(key), dict) else None
+            if found:
+                return found
+        for key in ("per_rank", "ranks", "rank", "prediction", "breakdown", "memory", "plan", "predicted"):
+            if key in node:
+                queue.append(node[key])
+    return _category_dict(plan)
+
+
+def plan_capacity(plan: dict | None) -> tuple[int | None, str | None]:
+    if not isinstance(plan, dict):
+        return None, None
+    gpu = plan.get("gpu")
+    if isinstance(gpu, dict) and _num(gpu.get("capacity_bytes")):
+        return _num(gpu["capacity_bytes"]), gpu.get("display") or gpu.get("name")
+    for key in ("capacity_bytes", "gpu_capacity_bytes", "device_capacity_bytes"):
+        if _num(plan.get(key)):
+            return _num(plan[key]), plan.get("gpu_type") or (gpu if isinstance(gpu, str) else None)
+    return None, None
+
+
+def plan_suggestions(plan: dict | None) -> list[dict]:
+    if not isinstance(plan, dict):
+        return []
+    for key in ("suggestions", "changes", "fixes"):
+        value = plan.get(key)
+        if isinstance(value, list):
+            out = []
+            for s in value:
+                if isinstance(s, dict):
+                    out.append({"change": s.get("change") or s.get("description") or s.get("name") or s.get("title") or str(s),
+                                "predicted_peak_bytes": _num(s.get("predicted_peak_bytes") or s.get("peak_bytes")
+                                                             or s.get("total_bytes") or s.get("total")),
+                                "fits": s.get("fits")})
+                else:
+                    out.append({"change": str(s), "predicted_peak_bytes": None, "fits": None})
+            return out
+    return []
+
+
+def capacity_for(job: Job, spec_training: dict) -> tuple[int | None, str | None]:
+    """What a rank's memory is compared with: the GPU's capacity (plan, then spec.gpu_type), or a CPU
+    worker's host memory budget; (None, None) for a CPU worker without one."""
+    cap, label = plan_capacity(job.plan)
+    if cap:
+        return cap, f"{label or 'GPU'} capacity"
+    res = spec_training.get("resources") or {}
+    if res.get("gpu_type"):
+        try:
+            from service.gpus import get_gpu
+
+            gpu = get_gpu(res["gpu_type"])
+            return gpu.capacity_bytes, f"{gpu.display} capacity"
+        except Exception:  # noqa: BLE001 - an unknown name shows no line rather than failing the page
+            pass
+    if res.get("host_memory_budget_bytes"):
+        return int(res["host_memory_budget_bytes"]), "host memory budget"
+    return None, None
+
+
+# --- samples ------------------------------------------------------------------------------------
+
+
+def sample_point(s: MemorySample) -> dict[str, Any]:
+    other = None
+    if s.temporary_bytes is not None or s.other_bytes is not None:
+        other = (s.temporary_bytes or 0) + (s.other_bytes or 0)
+    return {
+        "id": s.id, "attempt": s.attempt, "rank": s.rank, "step": s.step, "phase": s.phase, "source": s.source,
+        "parameters": s.parameters_bytes, "gradients": s.gradients_bytes, "optimizer_states": s.optimizer_bytes,
+        "activations": s.activations_bytes, "other": other, "peak": s.peak_bytes, "rss": s.process_rss_bytes,
+        "host": {"parameters": s.host_parameters_bytes, "gradients": s.host_gradients_bytes,
+                 "optimizer_states": s.host_optimizer_bytes},
+    }
+
+
+def memory_samples_after(session: Session, job_id: str, after_id: int = 0, limit: int = 5000) -> list[dict]:
+    """Step-phase samples (one per rank per sampled step) newer than ``after_id``, oldest first."""
+    q = (select(MemorySample).where(MemorySample.job_id == job_id, MemorySample.id > after_id,
+                                    MemorySample.phase == "step")
+         .order_by(MemorySample.id).limit(limit))
+    return [sample_point(s) for s in session.scalars(q)]
+
+
+def measured_peaks(samples: list[dict]) -> dict[int, dict[str, int | None]]:
+    """Per rank, the highest measured bytes of each category and of the step peak, over the latest
+    attempt's steady-state steps (step ≥ 3 when there are any, as the planner predicts steady state)."""
+    if not samples:
+        return {}
+    attempt = max(s["attempt"] for s in samples)
+    latest = [s for s in samples if s["attempt"] == attempt]
+    steady = [s for s in latest if s["step"] >= 3] or latest
+    out: dict[int, dict[str, int | None]] = {}
+    for s in steady:
+        r = out.setdefault(s["rank"], {c: None for c in (*CATEGORIES, "peak")})
+        for c in (*CATEGORIES, "peak"):
+            v = s.get(c)
+            if v is not None and (r[c] is None or v > r[c]):
+                r[c] = v
+    return out
+
+
+def compare(predicted: dict[str, int] | None, measured: dict[str, int | None]) -> list[dict[str, Any]]:
+    """Rows category/predicted/measured/error (signed, (predicted − measured) / measured)."""
+    rows = []
+    for c in (*CATEGORIES, "total"):
+        p = (predicted or {}).get(c)
+        m = measured.get("peak" if c == "total" else c)
+        err = (p - m) / m if p is not None and m else None
+        rows.append({"category": c, "label": CATEGORY_LABELS.get(c, "total (step peak)" if c == "total" else c),
+                     "predicted_bytes": p, "measured_bytes": m, "error": err})
+    return rows
+
+
+# --- files --------------------------------------------------------------------------------------
+
+
+def output_root(job: Job, settings: Settings) -> Path:
+    return Path(job.output_dir) if job.output_dir else settings.storage_dir / "jobs" / job.id
+
+
+def list_output_files(job: Job, settings: Settings) -> list[dict[str, Any]]:
+    root = output_root(job, settings).resolve()
+    if not root.is_dir():
+        return []
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            if p.is_symlink() or name.endswith(".part"):
+                continue
+            try:
+                size = p.stat().st_size
+            except OSError:
+                continue
+            out.append({"path": p.relative_to(root).as_posix(), "bytes": size})
+            if len(out) >= MAX_FILES:
+                return out
+    return out
+
+
+class FileNotInJob(LookupError):
+    pass
+
+
+def output_file(job: Job, settings: Settings, relpath: str) -> Path:
+    """The file ``relpath`` under the job's output directory. Raises FileNotInJob for anything else:
+    absolute paths, ``..`` segments, symlinks leading out, directories, missing files."""
+    root = output_root(job, settings).resolve()
+    if not relpath or relpath.startswith(("/", "\\")) or "\x00" in relpath:
+        raise FileNotInJob(relpath)
+    parts = Path(relpath).parts
+    if any(p in ("..", ".") for p in parts):
+        raise FileNotInJob(relpath)
+    target = (root / relpath).resolve()
+    if target == root or root not in target.parents or not target.is_file():
+        raise FileNotInJob(relpath)
+    return target
+
+
+# --- the job page -------------------------------------------------------------------------------
+
+
+def _age_s(ts: datetime | None) -> float | None:
+    return (datetime.now(timezone.utc) - ts).total_seconds() if ts else None
+
+
+def job_view(session: Session, principal: Principal, settings: Settings, job_id: str) -> dict[str, Any]:
+    """Everything the job page shows (JSON-serialisable); JobNotFound for another tenant's job."""
+    job = get_job(session, principal, job_id)
+    spec = job.spec or {}
+    training = spec.get("training") or {}
+    events = list(session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
+    metrics: dict[int, dict] = {}
+    for e in events:
+        d = e.data or {}
+        if e.type == "metrics" and d.get("rank", 0) == 0 and d.get("step") is not None:
+            metrics[d["step"]] = d  # a resumed attempt's repeat of a step replaces the old point
+    steps = sorted(metrics)
+    samples = memory_samples_after(session, job_id)
+    capacity, capacity_label = capacity_for(job, training)
+    predicted = plan_breakdown(job.plan)
+    measured = measured_peaks(samples)
+    ranks = sorted({s["rank"] for s in samples})
+    checkpoints = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+    last = metrics[steps[-1]] if steps else {}
+    return {
+        "job": {
+            "id": job.id, "status": job.status, "model": job.model, "attempt": job.attempt,
+            "strategy": training.get("strategy"), "peft": (training.get("peft") or {}).get("method"),
+            "precision": training.get("precision"), "gradient_checkpointing": training.get("gradient_checkpointing"),
+            "num_workers": (training.get("resources") or {}).get("num_workers"),
+            "created_at": job.created_at.timestamp() if job.created_at else None,
+            "finished_at": job.finished_at.timestamp() if job.finished_at else None,
+            "estimated_finish": job.estimated_finish.timestamp() if job.estimated_finish else None,
+            "fine_tuned_model": job.fine_tuned_model, "trained_tokens": job.trained_tokens,
+            "error": job.error, "desired_state": job.desired_state,
+            "step": last.get("step"), "total_steps": last.get("total_steps"),
+        },
+        "metrics": {
+            "steps": steps,
+            "loss": [metrics[s].get("train_loss") for s in steps],
+            "eval_loss": [metrics[s].get("valid_loss") for s in steps],
+            "tokens_per_s": [metrics[s].get("tokens_per_s") for s in steps],
+        },
+        "memory": {
+            "categories": list(CATEGORIES),
+            "labels": CATEGORY_LABELS,
+            "capacity_bytes": capacity,
+            "capacity_label": capacity_label,
+            "ranks": ranks,
+            "samples": samples,
+            "last_sample_id": samples[-1]["id"] if samples else 0,
+        },
+        "comparison": {
+            "has_plan": predicted is not None,
+            "predicted": predicted,
+            "per_rank": {str(r): compare(predicted, measured[r]) for r in ranks if r in measured},
+        },
+        "suggestions": plan_suggestions(job.plan),
+        "plan": job.plan,
+        "events": [{"id": e.id, "created_at": e.created_at.timestamp(), "level": e.level, "type": e.type,
+                    "message": e.message} for e in events[-300:]],
+        "last_event_id": events[-1].id if events else 0,
+        "checkpoints": [{"step": c.step, "path": c.path, "metrics": c.metrics or {}, "attempt": c.attempt}
+                        for c in checkpoints],
+        "files": list_output_files(job, settings),
+    }
+
+
+def job_rows(session: Session, principal: Principal, *, status: str | None = None, limit: int = 50) -> list[dict]:
+    """The jobs list: newest first, with progress and peak memory vs capacity per job."""
+    jobs = list_jobs(session, principal, limit=limit, status=status or None)
+    ids = [j.id for j in jobs]
+    peaks: dict[str, int] = {}
+    if ids:
+        q = (select(MemorySample.job_id, func.max(func.coalesce(MemorySample.peak_bytes, 0)))
+             .where(MemorySample.job_id.in_(ids)).group_by(MemorySample.job_id))
+        peaks = {job_id: int(v or 0) for job_id, v in session.execute(q)}
+    rows = []
+    for j in jobs:
+        training = (j.spec or {}).get("training") or {}
+        last = session.scalar(
+            select(JobEvent.data).where(JobEvent.job_id == j.id, JobEvent.type == "metrics")
+            .order_by(JobEvent.id.desc()).limit(1))
+        cap, cap_label = capacity_for(j, training)
+        rows.append({
+            "id": j.id, "status": j.status, "model": j.model, "strategy": training.get("strategy"),
+            "peft": (training.get("peft") or {}).get("method"),
+            "step": (last or {}).get("step"), "total_steps": (last or {}).get("total_steps"),
+            "peak_bytes": peaks.get(j.id) or None, "capacity_bytes": cap, "capacity_label": cap_label,
+            "age_s": _age_s(j.created_at), "created_at": j.created_at.timestamp() if j.created_at else None,
+        })
+    return rows

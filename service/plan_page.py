@@ -1,0 +1,121 @@
+"""The planner page's form: knobs → a job spec → the memory planner's answer, ready to render.
+
+The page (api/routes/pages.py, ``/ui/planner``) and ``memfit plan`` without a server both call
+:func:`plan_body`. The arithmetic is the planner's (service/planner.py, issue "Memory"); this module
+only turns form fields into the spec the planner takes and its answer into rows.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from service.dashboard import CATEGORIES, CATEGORY_LABELS, plan_breakdown, plan_capacity, plan_suggestions
+from service.presets import PRESETS
+
+DEFAULTS = {
+    "model": "preset:small-llama", "gpu": "a100-40gb", "strategy": "ddp", "peft": "none", "lora_r": "16",
+    "precision": "bf16", "gradient_checkpointing": "", "micro_batch_size": "4", "max_seq_length": "512",
+    "num_workers": "1", "zero_stage": "2", "offload": "none",
+}
+STRATEGIES = ("ddp", "fsdp", "deepspeed", "pipeline")
+PEFTS = ("none", "lora", "qlora")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class PlannerUnavailable(RuntimeError):
+    pass
+
+
+def form_to_body(form: dict[str, str]) -> dict[str, Any]:
+    f = {**DEFAULTS, **{k: v for k, v in form.items() if v is not None}}
+    gpu = f["gpu"].strip()
+    training: dict[str, Any] = {
+        "strategy": f["strategy"],
+        "precision": f["precision"],
+        "gradient_checkpointing": f.get("gradient_checkpointing") in ("on", "true", "1", "yes"),
+        "hyperparameters": {"micro_batch_size": int(f["micro_batch_size"]), "max_seq_length": int(f["max_seq_length"])},
+        "resources": {"num_workers": int(f["num_workers"]), **({"gpus_per_worker": 1, "gpu_type": gpu} if gpu else {})},
+    }
+    if f["peft"] != "none":
+        training["peft"] = {"method": f["peft"], "r": int(f["lora_r"])}
+    if f["strategy"] == "deepspeed":
+        training["deepspeed"] = {"zero_stage": int(f["zero_stage"]),
+                                 "offload_optimizer": "cpu" if f["offload"] in ("optimizer", "both") else "none",
+                                 "offload_param": "cpu" if f["offload"] in ("param", "both") else "none"}
+    if f["strategy"] == "fsdp" and f["offload"] != "none":
+        training["fsdp"] = {"cpu_offload": True}
+    return {"model": f["model"].strip(), "training_file": "file-planner", "training": training}
+
+
+def plan_body(body: dict[str, Any], gpu: str | None = None) -> dict[str, Any]:
+    """The planner's JSON answer for a create body (``training_file`` optional). Raises
+    PlannerUnavailable when service/planner.py is missing, SpecError for a bad body."""
+    try:
+        from service import planner
+    except ImportError as exc:
+        raise PlannerUnavailable("the memory planner (service/planner.py) is not part of this build") from exc
+    from service.settings import get_settings
+    from service.spec import validate_spec
+
+    body = {"training_file": "file-planner", **body}
+    spec = validate_spec(body, None)
+    for name in ("plan_spec", "plan_job", "plan", "preflight"):
+        fn = getattr(planner, name, None)
+        if fn is None or not callable(fn):
+            continue
+        params = inspect.signature(fn).parameters
+        kwargs: dict[str, Any] = {}
+        if "gpu" in params and gpu:
+            kwargs["gpu"] = gpu
+        if "settings" in params:
+            kwargs["settings"] = get_settings()
+        if "model_path" in params:
+            kwargs["model_path"] = None
+        try:
+            result = fn(spec, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a refusal ("does not fit") carries the plan
+            error = getattr(exc, "error", None) or {}
+            details = error.get("details") if isinstance(error, dict) else None
+            plan = (details or {}).get("plan") if isinstance(details, dict) else None
+            plan = plan or getattr(exc, "plan", None)
+            if plan is None:
+                raise
+            result = plan
+        if hasattr(result, "model_dump"):
+            result = result.model_dump(mode="json")
+        return result
+    raise PlannerUnavailable("service/planner.py has no plan function this page knows")
+
+
+def evaluate(form: dict[str, str] | None, *, known_gpus: set[str] | None = None) -> dict[str, Any]:
+    """Template context: the form (defaults filled), and for a submitted form the plan rows or errors."""
+    values = {**DEFAULTS, **(form or {})}
+    ctx: dict[str, Any] = {
+        "form": values, "presets": sorted(PRESETS), "gpus": sorted(known_gpus or []),
+        "strategies": STRATEGIES, "pefts": PEFTS, "precisions": PRECISIONS,
+        "result": None, "errors": [], "unavailable": None,
+    }
+    if form is None:
+        return ctx
+    try:
+        body = form_to_body(values)
+        plan = plan_body(body, values.get("gpu") or None)
+    except PlannerUnavailable as exc:
+        ctx["unavailable"] = str(exc)
+        return ctx
+    except ValueError as exc:
+        problems = getattr(exc, "problems", None)
+        ctx["errors"] = [f"{p.param}: {p.message}" for p in problems] if problems else [str(exc)]
+        return ctx
+    breakdown = plan_breakdown(plan) or {}
+    capacity, label = plan_capacity(plan)
+    ctx["result"] = {
+        "fits": plan.get("fits") if isinstance(plan, dict) else None,
+        "parameter_count": plan.get("parameter_count") if isinstance(plan, dict) else None,
+        "trainable_parameter_count": plan.get("trainable_parameter_count") if isinstance(plan, dict) else None,
+        "rows": [{"category": c, "label": CATEGORY_LABELS[c], "bytes": breakdown.get(c)} for c in CATEGORIES],
+        "total_bytes": breakdown.get("total"), "capacity_bytes": capacity, "capacity_label": label,
+        "suggestions": plan_suggestions(plan), "plan": plan,
+    }
+    return ctx
