@@ -6,7 +6,9 @@ Route handlers turn store rows into these with the ``*_public`` functions below;
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
+from functools import lru_cache
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
@@ -108,12 +110,19 @@ class JobPublic(BaseModel):
     memory: dict[str, Any] | None = Field(None, description="memfit: predicted and measured memory summary")
 
 
-def job_public(job: Job) -> JobPublic:
-    spec = JobSpec.model_validate(job.spec)
+@lru_cache(maxsize=8192)
+def _spec_view(job_id: str, spec_json: str) -> tuple[HyperparametersPublic, list | None, dict[str, Any]]:
+    """A job's spec never changes after create, so its resolved view is computed once per job."""
+    spec = JobSpec.model_validate_json(spec_json)
     r = spec.resolved()
     hp = HyperparametersPublic(
         n_epochs=r.n_epochs, batch_size=r.global_batch_size, learning_rate_multiplier=r.learning_rate_multiplier
     )
+    return hp, spec.integrations, spec.training.model_dump(mode="json")
+
+
+def job_public(job: Job) -> JobPublic:
+    hp, integrations, training = _spec_view(job.id, json.dumps(job.spec, sort_keys=True))
     memory = job.memory_summary
     if memory is None and job.plan is not None:
         memory = {"plan": job.plan}
@@ -134,10 +143,10 @@ def job_public(job: Job) -> JobPublic:
         hyperparameters=hp,
         method={"type": "supervised", "supervised": {"hyperparameters": hp.model_dump()}},
         metadata=job.metadata_,
-        integrations=spec.integrations,
+        integrations=integrations,
         status=job.status,
         error=JobErrorPublic.model_validate(job.error) if job.error else None,
-        training=spec.training.model_dump(mode="json"),
+        training=training,
         attempt=job.attempt,
         desired_state=job.desired_state,
         memory=memory,
