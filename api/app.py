@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import errors
+from api import errors, metrics
 from api.routes import files, health, ingest, jobs, pages, stream
 from service import db
 from service.settings import Settings, ensure_dirs, get_settings
@@ -53,4 +53,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     pages.install(app)  # the dashboard's static files
+    metrics.install(app)  # GET /metrics and the request-latency middleware
     return app

@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service import metrics
 from service.errors import Conflict, DomainError, JobNotFound, StaleAttempt
 from service.jobs import add_checkpoint, add_events, add_memory_samples
 from service.models import File, Job, JobEvent, new_id
@@ -89,6 +90,7 @@ def ingest(session: Session, settings: Settings, job_id: str, token: str | None,
     try:
         result = _store(session, settings, job, batch)
         session.commit()
+        metrics.count_ingested(batch.records)  # /metrics: ingest rate
     except BaseException:
         session.rollback()
         raise

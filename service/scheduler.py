@@ -55,6 +55,7 @@ from urllib.parse import urlparse
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from service import metrics
 from service.errors import InvalidTransition, JobNotFound, StaleAttempt
 from service.models import Checkpoint, File, Job, JobEvent
 from service.presets import PRESET_PREFIX, PRESETS
@@ -419,6 +420,7 @@ class Scheduler:
                 except ValidationFailed as exc:
                     _try(transition, s, job.id, JobStatus.failed, error=exc.error,
                          event_data={"error": exc.error})
+                    metrics.SCHEDULER_FAILURES.labels(exc.error["code"]).inc()  # /metrics
                 else:
                     fields = {"plan": plan} if plan is not None else {}
                     _try(transition, s, job.id, JobStatus.queued, **fields)
@@ -455,6 +457,7 @@ class Scheduler:
                 except (StaleAttempt, InvalidTransition):
                     continue  # another claimer won it (SQLite) — not ours
                 won.append((job.id, attempt, token))
+                metrics.SCHEDULER_CLAIMS.inc()  # /metrics
         return won
 
     def claim_and_submit(self) -> int:
@@ -681,6 +684,7 @@ class Scheduler:
 
     def _fail(self, job_id: str, attempt: int, code: str, message: str, details: dict | None = None) -> None:
         error = {"code": code, "message": message, "param": None, "details": details or {}}
+        metrics.SCHEDULER_FAILURES.labels(code).inc()  # /metrics
         self._finish(job_id, attempt, JobStatus.failed, error=error, lease_owner=None)
 
 
