@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from api import errors, metrics
 from api.routes import files, health, ingest, jobs, pages, stream
 from service import db
+from service.errors import PayloadTooLarge
 from service.settings import Settings, ensure_dirs, get_settings
 
 # Other features add their router here, one line each.
@@ -22,6 +23,42 @@ def _known_gpus() -> set[str] | None:
     except ImportError:
         return None
     return set(known_gpus())
+
+
+# JSON bodies (job specs, ingest batches) are small; uploads have their own limit (max_upload_bytes).
+MAX_JSON_BODY_BYTES = 16 * 1024 * 1024
+_UNLIMITED_PATHS = ("/v1/files",)
+
+
+class BodyLimit:
+    """Refuse an over-long JSON body before anything reads it (OWASP API4: resource consumption)."""
+
+    def __init__(self, app, max_bytes: int = MAX_JSON_BODY_BYTES):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in _UNLIMITED_PATHS:
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            from starlette.requests import Request
+
+            response = errors.problem_response(
+                Request(scope), status=413, code="body_too_large", title="Payload too large",
+                detail=f"request body is larger than {self.max_bytes} bytes",
+            )
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # a chunked body with no Content-Length
+                raise PayloadTooLarge(f"request body is larger than {self.max_bytes} bytes", code="body_too_large")
+            return message
+
+        return await self.app(scope, limited_receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -50,6 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.known_gpus = _known_gpus()
     app.state.schema_head = db.head_revision()
     errors.install(app)
+    app.add_middleware(BodyLimit)
     for router in ROUTERS:
         app.include_router(router)
     pages.install(app)  # the dashboard's static files

@@ -110,7 +110,7 @@ class JobPublic(BaseModel):
     memory: dict[str, Any] | None = Field(None, description="memfit: predicted and measured memory summary")
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=2048)
 def _spec_view(job_id: str, spec_json: str) -> tuple[HyperparametersPublic, list | None, dict[str, Any]]:
     """A job's spec never changes after create, so its resolved view is computed once per job."""
     spec = JobSpec.model_validate_json(spec_json)

@@ -247,3 +247,11 @@ def test_checkpoints_listed_by_step(client, create_job, tenant, api_app):
 def test_unknown_route_and_job_are_problems(client, tenant):
     assert_problem(client.get("/v1/nope", headers=tenant.headers), 404, "not_found", None)
     assert_problem(client.get("/v1/fine_tuning/jobs/ftjob-missing", headers=tenant.headers), 404, "job_not_found", None)
+
+
+def test_oversized_json_body_is_413(client, tenant):
+    from api.app import MAX_JSON_BODY_BYTES
+
+    body = b'{"model": "' + b"x" * MAX_JSON_BODY_BYTES + b'"}'
+    r = client.post("/v1/fine_tuning/jobs", content=body, headers={**tenant.headers, "content-type": "application/json"})
+    assert_problem(r, 413, "body_too_large", None)
