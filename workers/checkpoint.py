@@ -117,7 +117,7 @@ def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenize
     Hugging Face format — the adapter (+ merged model where the method allows) or the full model,
     each with the tokenizer. Rebuilding keeps the export independent of how training sharded it."""
     from workers.models import load_model
-    from workers.peft_setup import apply_peft, merge_adapter
+    from workers.peft_setup import MERGEABLE, apply_peft, merge_adapter
 
     out = Path(args.output_dir)
     fresh = load_model(model_dir, args.attention)
@@ -133,7 +133,7 @@ def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenize
         fresh.save_pretrained(out / "adapter")
         tokenizer.save_pretrained(out / "adapter")
         artifacts["adapter"] = "adapter"
-        if args.peft_merge:
+        if args.peft_merge and args.peft_method in MERGEABLE:
             merge_adapter(model_dir, out / "adapter", out / "merged", attention=args.attention)
             tokenizer.save_pretrained(out / "merged")
             artifacts["merged"] = "merged"

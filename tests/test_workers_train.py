@@ -1,0 +1,162 @@
+"""Single-process training checks (no Ray): accumulation maths, every PEFT method end to end,
+bf16 with gradient checkpointing. The same strategy functions the Ray workers run."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from workers.args import TrainArgs  # noqa: E402
+from workers.local import run_local  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _preset_cache(tmp_path_factory):
+    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _args(tmp_path, **kw) -> TrainArgs:
+    base = dict(job_id="ftjob-test", output_dir=str(tmp_path / "out"), training_path=str(EXAMPLES / "completion.jsonl"),
+                model="preset:tiny-llama", learning_rate=1e-2, warmup_steps=2, micro_batch_size=8, max_steps=12,
+                checkpoint_every_steps=100, telemetry_every_steps=1, memory_trace_every_steps=1000)
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+def _losses(reports):
+    return [r["loss"] for r in reports if r.get("kind") == "metrics"]
+
+
+def test_accumulation_gives_the_same_update_as_one_big_batch():
+    """4 examples in one micro-batch vs 2 × 2 accumulated: identical gradients and AdamW update,
+    because both divide the summed token loss by the tokens of the whole window."""
+    from workers.data import StepSampler, load_dataset, step_batches
+    from workers.models import build_preset, load_model, load_tokenizer
+    from workers.steps import accumulate_gradients, make_optimizer
+
+    model_dir = str(build_preset("preset:tiny-llama"))
+    tok = load_tokenizer(model_dir)
+    data = load_dataset(str(EXAMPLES / "chat.jsonl"), tok, max_seq_length=64)
+    big = step_batches(data, StepSampler(len(data), 4, 1, 1, seed=1), 0, 0)
+    small = step_batches(data, StepSampler(len(data), 2, 2, 1, seed=1), 0, 0)
+    assert len(big) == 1 and len(small) == 2
+    # The two micro-batches have different label-token counts, so naive per-micro-batch means differ.
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in small]
+
+    a = load_model(model_dir)
+    b = copy.deepcopy(a)
+    cpu = torch.device("cpu")
+    loss_a, tokens_a, _ = accumulate_gradients(a, big, device=cpu, world_size=1)
+    loss_b, tokens_b, _ = accumulate_gradients(b, small, device=cpu, world_size=1)
+    assert tokens_a == tokens_b == sum(counts)
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-7, msg=name)
+    opt_a, opt_b = make_optimizer(a, 1e-2, 0.0), make_optimizer(b, 1e-2, 0.0)
+    opt_a.step()
+    opt_b.step()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6, msg=name)
+
+    # What a wrong scaling (mean per micro-batch, then averaged) would give: measurably different.
+    c = copy.deepcopy(b)
+    c.zero_grad()
+    from workers.steps import forward_loss_sum
+
+    for batch, n in zip(small, counts):
+        (forward_loss_sum(c, batch, cpu, None) / n / 2).backward()
+    wrong = torch.cat([p.grad.flatten() for p in c.parameters()])
+    right = torch.cat([p.grad.flatten() for p in a.parameters()])
+    assert counts[0] != counts[1]
+    assert not torch.allclose(wrong, right, rtol=1e-4, atol=1e-6)
+
+
+PEFT_CASES = [
+    ("lora", "preset:tiny-llama"),
+    ("lora", "preset:tiny-gpt2"),
+    ("ia3", "preset:tiny-qwen2"),
+    ("loha", "preset:tiny-llama"),
+    ("lokr", "preset:tiny-llama"),
+    ("prefix_tuning", "preset:tiny-llama"),
+    ("prompt_tuning", "preset:tiny-llama"),
+]
+
+
+@pytest.mark.parametrize("method, model", PEFT_CASES, ids=[f"{m}-{p.split(':')[1]}" for m, p in PEFT_CASES])
+def test_peft_method_trains_saves_reloads_and_merges(tmp_path, method, model):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from workers.checkpoint import unwrap  # noqa: F401 - imported for parity with the workers
+    from workers.models import resolve_model_dir
+    from workers.peft_setup import MERGEABLE, apply_peft
+
+    args = _args(tmp_path, model=model, peft_method=method, max_steps=2, checkpoint_every_steps=2,
+                 learning_rate=3e-2, peft_virtual_tokens=4)
+    (result,) = run_local(args)
+    out = Path(args.output_dir)
+    losses = _losses(result["reports"])
+    assert len(losses) == 2 and all(l == l for l in losses)  # finite
+    assert result["artifacts"]["adapter"] == "adapter"
+    assert (out / "adapter" / "adapter_config.json").exists()
+    assert (out / "adapter" / "tokenizer.json").exists()
+
+    model_dir = resolve_model_dir(model)
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46]])
+    with torch.no_grad():
+        base_logits = AutoModelForCausalLM.from_pretrained(model_dir)(input_ids=ids).logits
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(out / "adapter")).eval()
+        reloaded_logits = reloaded(input_ids=ids).logits
+        # The trained state as the worker checkpointed it, loaded into a fresh adapter: same logits.
+        state = torch.load(out / "checkpoints" / "step-2" / "state.pt", weights_only=False)["model"]
+        fresh = apply_peft(AutoModelForCausalLM.from_pretrained(model_dir), method, num_virtual_tokens=4,
+                           r=args.peft_r, alpha=args.peft_alpha)
+        fresh.load_state_dict(state, strict=False)
+        fresh_logits = fresh.eval()(input_ids=ids).logits
+    torch.testing.assert_close(reloaded_logits, fresh_logits, rtol=0, atol=1e-6)
+    if method != "prompt_tuning":  # prompt tuning adds virtual positions, so shapes differ from the base
+        assert not torch.allclose(reloaded_logits, base_logits, atol=1e-4), "the adapter changed nothing"
+    if method in MERGEABLE:
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(merged(input_ids=ids).logits, reloaded_logits, rtol=1e-4, atol=1e-4)
+        assert result["artifacts"]["merged"] == "merged"
+    else:
+        assert not (out / "merged").exists()
+
+
+def test_bf16_with_gradient_checkpointing_learns(tmp_path):
+    args = _args(tmp_path, precision="bf16", gradient_checkpointing=True, max_steps=12)
+    (result,) = run_local(args)
+    losses = _losses(result["reports"])
+    assert losses[-1] < 0.5 * losses[0], losses
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(Path(args.output_dir) / "model")
+
+
+def test_checkpoint_holds_the_step_and_resumes_there(tmp_path):
+    """Local resume: train 6 steps with a checkpoint at 3, then a run from that checkpoint repeats
+    steps 4–6 with the same losses (data position, optimizer, scheduler and RNG restored)."""
+    from workers.steps import WorkerEnv
+    from workers.strategies import train
+
+    args = _args(tmp_path, max_steps=6, checkpoint_every_steps=3)
+    env = WorkerEnv.local()
+    train(args, env)
+    first = {r["step"]: r["loss"] for r in env.reports if r.get("kind") == "metrics"}
+    resumed = WorkerEnv.local()
+    resumed.resume_dir = str(Path(args.output_dir) / "checkpoints" / "step-3")
+    train(args, resumed)
+    second = {r["step"]: r["loss"] for r in resumed.reports if r.get("kind") == "metrics"}
+    assert sorted(second) == [4, 5, 6]  # continued after the checkpointed step
+    for step in (4, 5, 6):
+        assert second[step] == pytest.approx(first[step], rel=1e-5)
