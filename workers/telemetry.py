@@ -205,7 +205,8 @@ class StepTelemetry:
         self.every_steps = max(1, int(every_steps))
         self.trace_every_steps = max(1, int(trace_every_steps))
         self.host_budget_bytes = host_budget_bytes
-        self.offload = dict(offload or {})
+        # Strategies pass booleans or the spec's strings ("none" / "cpu"): only a real offload counts.
+        self.offload = {k: v not in (None, False, "", "none") for k, v in (offload or {}).items()}
         self.strategy = strategy
         self.plan: dict | None = None  # the planner's prediction, if the caller knows it
         self.suggestions: list[dict] | None = None
