@@ -92,4 +92,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router)
     pages.install(app)  # the dashboard's static files
     metrics.install(app)  # GET /metrics and the request-latency middleware
+    _document_job_spec(app)
     return app
+
+
+def _document_job_spec(app: FastAPI) -> None:
+    """The create route reads the body itself (to report every spec problem at once), so FastAPI
+    cannot see its schema: put JobSpec's JSON schema into the OpenAPI document by hand."""
+    from service.spec import JobSpec
+
+    build = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            doc = build()
+            spec = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = doc.setdefault("components", {}).setdefault("schemas", {})
+            components.update(spec.pop("$defs", {}))
+            components["JobSpec"] = spec
+            doc["paths"]["/v1/fine_tuning/jobs"]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}},
+            }
+        return app.openapi_schema
+
+    app.openapi = openapi

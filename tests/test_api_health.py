@@ -48,3 +48,7 @@ def test_openapi_lists_the_routes(client):
         assert path in doc["paths"], path
     assert "multipart/form-data" in doc["paths"]["/v1/files"]["post"]["requestBody"]["content"]
     assert "JobPublic" in doc["components"]["schemas"]
+    body = doc["paths"]["/v1/fine_tuning/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/JobSpec"}
+    assert "TrainingOptions" in doc["components"]["schemas"]
+    assert "training" in doc["components"]["schemas"]["JobSpec"]["properties"]
