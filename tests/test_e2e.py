@@ -248,7 +248,7 @@ def test_scheduler_sigkill_mid_job_another_adopts_it_no_duplicate_ray_job(stack,
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "scheduler"], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        job_id = stack.create(hyperparameters={"max_steps": 14}, checkpoint_every_steps=7)
+        job_id = stack.create(hyperparameters={"max_steps": 60}, checkpoint_every_steps=30)
         stack.wait_until(lambda: stack.metrics_steps(job_id), what="first training step under the first scheduler")
         with stack.app.state.sessions() as s:
             owner = s.scalar(select(Job.lease_owner).where(Job.id == job_id))
@@ -260,13 +260,13 @@ def test_scheduler_sigkill_mid_job_another_adopts_it_no_duplicate_ray_job(stack,
             proc.kill()
         log.close()
     adopter = stack.start_scheduler()
+    stack.wait_until(lambda: any(e["message"].startswith(f"Scheduler {adopter.owner} adopted the job")
+                                 for e in stack.events(job_id)), 60, "the new scheduler to adopt the job")
     job = stack.wait(job_id, ("succeeded",))
     with stack.app.state.sessions() as s:
         row = s.get(Job, job_id)
         assert row.attempt == 1 and row.status == "succeeded"
-    messages = [e["message"] for e in stack.events(job_id)]
-    assert any(m.startswith(f"Scheduler {adopter.owner} adopted the job") for m in messages)
-    assert stack.metrics_steps(job_id) == list(range(1, 15))
+    assert stack.metrics_steps(job_id) == list(range(1, 61))
     assert list(stack.ray.submissions_of(job_id)) == [submission_id(job_id, 1)]  # never resubmitted
     assert job["fine_tuned_model"]
 
