@@ -73,7 +73,7 @@
     }
     var datasets = mem.categories.map(function (c, k) {
       return { label: mem.labels[c], category: c, data: [], stack: "measured", fill: k === 0 ? "origin" : "-1",
-               borderColor: COLORS[c], backgroundColor: COLORS[c] + "aa", pointRadius: 0, borderWidth: 1,
+               borderColor: COLORS[c], backgroundColor: COLORS[c] + "aa", pointRadius: 2, borderWidth: 1,
                spanGaps: true };
     });
     if (mem.capacity_bytes) {
