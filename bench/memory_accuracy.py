@@ -1,0 +1,425 @@
+"""Predicted vs measured memory per rank, over the matrix of issue 5, on this machine's CPUs.
+
+    .venv/bin/python bench/memory_accuracy.py --quick            # a small slice (~2 min)
+    .venv/bin/python bench/memory_accuracy.py                    # the full matrix (see README for time)
+    .venv/bin/python bench/memory_accuracy.py --save m.json      # keep the measurements
+    .venv/bin/python bench/memory_accuracy.py --load m.json      # re-predict without re-measuring
+
+Each config trains a random-init preset (small-llama, small-qwen2: hidden 256, 4 layers, vocab
+8000) for 3 optimizer steps with the workers' own setup code (workers/strategies.py: build_model,
+shard_fsdp2, deepspeed_config; workers/steps.py: accumulate_gradients, clip_and_step, the AdamW),
+2-rank cases as 2 gloo processes under torch.multiprocessing. workers/telemetry.py measures each
+rank on step 3, the first steady-state step (optimizer states exist from step 2 on), from the
+profiler's memory events (exact live-tensor peak). The planner (service/planner.py) predicts the same quantity from the spec and the config
+alone. DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs_all_cold`` and accelerate's
+``calculate_maximum_sizes`` (×4 for Adam training, as ``accelerate estimate-memory`` does) are
+printed beside it for the same configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MiB = 2**20
+STRATEGIES = ("ddp1", "fsdp2", "zero2", "zero3", "zero3_offload")
+CATS = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str = "small-llama"
+    seq: int = 512
+    peft: str = "none"  # none | lora
+    precision: str = "fp32"  # fp32 | bf16
+    ckpt: bool = False
+    strategy: str = "ddp1"  # one of STRATEGIES
+    micro_batch: int = 4
+    steps: int = 3
+
+    @property
+    def world(self) -> int:
+        return 1 if self.strategy == "ddp1" else 2
+
+    @property
+    def name(self) -> str:
+        return (f"{self.family.split('-')[1]:5s} s{self.seq:<4d} {self.peft:4s} {self.precision} "
+                f"{'ckpt' if self.ckpt else '    '} {self.strategy}")
+
+    def spec_body(self) -> dict:
+        """The job spec a user would submit for this case."""
+        strategy = {"ddp1": "ddp", "fsdp2": "fsdp"}.get(self.strategy, "deepspeed")
+        training: dict = {
+            "strategy": strategy,
+            "precision": self.precision,
+            "gradient_checkpointing": self.ckpt,
+            "hyperparameters": {"micro_batch_size": self.micro_batch, "max_seq_length": self.seq},
+            "resources": {"num_workers": self.world},
+        }
+        if self.peft == "lora":
+            training["peft"] = {"method": "lora", "r": 8}
+        if strategy == "deepspeed":
+            ds = {"zero_stage": 2 if self.strategy == "zero2" else 3}
+            if self.strategy == "zero3_offload":
+                ds.update(offload_optimizer="cpu", offload_param="cpu")
+            training["deepspeed"] = ds
+        return {"model": f"preset:{self.family}", "training_file": "file-bench", "training": training}
+
+
+def matrix(quick: bool) -> list[Case]:
+    if quick:
+        return [
+            Case("small-llama", 512, "none", "fp32", False, "ddp1"),
+            Case("small-llama", 512, "lora", "bf16", True, "ddp1"),
+            Case("small-qwen2", 128, "none", "bf16", False, "fsdp2"),
+            Case("small-llama", 128, "none", "bf16", False, "zero2"),
+            Case("small-qwen2", 128, "lora", "fp32", True, "zero3"),
+            Case("small-llama", 128, "none", "bf16", False, "zero3_offload"),
+        ]
+    return [
+        Case(f, s, p, pr, c, st)
+        for f, s, p, pr, c, st in itertools.product(
+            ("small-llama", "small-qwen2"), (128, 512), ("none", "lora"), ("fp32", "bf16"), (False, True), STRATEGIES
+        )
+    ]
+
+
+# --- measuring one case ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_args(case: Case, out_dir: str):
+    from workers.args import TrainArgs
+
+    ds_stage = {"zero2": 2, "zero3": 3, "zero3_offload": 3}.get(case.strategy, 2)
+    off = "cpu" if case.strategy == "zero3_offload" else "none"
+    return TrainArgs(
+        job_id="bench", output_dir=out_dir, training_path="-", model=f"preset:{case.family}",
+        strategy={"ddp1": "ddp", "fsdp2": "fsdp"}.get(case.strategy, "deepspeed"),
+        precision=case.precision, gradient_checkpointing=case.ckpt, micro_batch_size=case.micro_batch,
+        max_seq_length=case.seq, peft_method=case.peft, ds_stage=ds_stage, ds_offload_optimizer=off,
+        ds_offload_param=off, telemetry_every_steps=1, memory_trace_every_steps=10_000, max_steps=case.steps,
+    )
+
+
+def _batches(case: Case, vocab: int, step: int, rank: int) -> list[dict]:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, vocab, (case.micro_batch, case.seq), generator=g)
+    return [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
+
+
+def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> list[dict]:
+    """One rank of one case: the worker's setup, 4 steps, telemetry on every step. Returns records."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(case.world), LOCAL_WORLD_SIZE=str(case.world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // case.world))
+    from workers import strategies as S
+    from workers import steps as W
+
+    args = _train_args(case, out["dir"])
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    model = S.build_model(args, model_dir)
+    vocab = model.config.vocab_size
+    engine = None
+    if case.strategy == "ddp1":
+        model = model.to(device)
+        optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
+        amp = W.autocast_dtype(args.precision)
+        offload = {"optimizer": "none", "param": "none"}
+        tel_model = model
+    elif case.strategy == "fsdp2":
+        dist.init_process_group("gloo", rank=rank, world_size=case.world)
+        model = S.shard_fsdp2(model, device, case.world, precision=args.precision,
+                              reshard_after_forward=args.fsdp_reshard_after_forward, cpu_offload=False)
+        optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
+        amp = None
+        offload = {"optimizer": "none", "param": "none"}
+        tel_model = model
+    else:
+        S._skip_shm_build()
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        config = S.deepspeed_config(
+            stage=args.ds_stage, micro_batch_size=args.micro_batch_size, accumulation=1, world_size=case.world,
+            lr=args.learning_rate, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+            precision=args.precision, offload_optimizer=args.ds_offload_optimizer, offload_param=args.ds_offload_param,
+            hidden=S.hidden_size(model), reduce_bucket_elements=None, on_cpu=True)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
+        amp = None
+        offload = {"optimizer": args.ds_offload_optimizer == "cpu", "param": args.ds_offload_param == "cpu"}
+        tel_model = engine.module
+    tel = W.make_telemetry(args, W.WorkerEnv(rank, case.world, device), tel_model, optimizer,
+                           {"ddp1": "ddp", "fsdp2": "fsdp"}.get(case.strategy, "deepspeed"),
+                           {k: (v if isinstance(v, bool) else v == "cpu") for k, v in offload.items()})
+    scheduler = None if engine is not None else W.warmup_cosine(optimizer, 0, case.steps)
+    records: list[dict] = []
+    times = []
+    for step in range(1, case.steps + 1):
+        t0 = time.perf_counter()
+        tel.begin_step(step)
+        if engine is None:
+            W.accumulate_gradients(model, _batches(case, vocab, step, rank), device=device, world_size=case.world,
+                                   amp_dtype=amp, tel=tel)
+            W.clip_and_step(model, optimizer, scheduler, args.max_grad_norm)
+        else:
+            W.accumulate_gradients(engine, _batches(case, vocab, step, rank), device=device, world_size=case.world,
+                                   tel=tel, backward=lambda loss: engine.backward(loss, scale_wrt_gas=False))
+            engine.step()
+        tel.mark("optimizer")
+        recs = tel.end_step(step)
+        times.append(time.perf_counter() - t0)
+        if step >= 3:
+            records.extend(recs)
+    if dist.is_initialized():
+        dist.barrier()
+    return records
+
+
+def _rank_main(rank: int, case: Case, port: int, model_dir: str, tmp: str, q) -> None:
+    try:
+        recs = run_rank(rank, case, port, model_dir, {"dir": tmp})
+        q.put((rank, recs, None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with the case
+        import traceback
+
+        q.put((rank, [], f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
+
+
+def measure(case: Case, model_dir: str, timeout_s: float = 600) -> dict:
+    """Run one case in fresh processes; per rank the steady-state step record (max peak over steps ≥ 3)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="memfit-bench-") as tmp:
+        procs = [ctx.Process(target=_rank_main, args=(r, case, port, model_dir, tmp, q)) for r in range(case.world)]
+        for p in procs:
+            p.start()
+        results = {}
+        deadline = time.time() + timeout_s
+        try:
+            while len(results) < case.world:
+                try:
+                    rank, recs, err = q.get(timeout=2.0)
+                except Exception:  # noqa: BLE001 - queue.Empty: check the ranks are still alive
+                    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    if dead or time.time() > deadline:
+                        raise RuntimeError(f"{case.name}: a rank died (exit {dead}) or timed out") from None
+                    continue
+                if err:
+                    raise RuntimeError(f"{case.name} rank {rank}: {err}")
+                results[rank] = recs
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    ranks = []
+    for rank in sorted(results):
+        steps = [r for r in results[rank] if r["phase"] == "step" and r.get("peak_bytes") is not None]
+        best = max(steps, key=lambda r: r["peak_bytes"])
+        phases = {r["phase"]: r["peak_bytes"] for r in results[rank] if r["phase"] != "step" and r["step"] == best["step"]}
+        ranks.append({**best, "phase_peaks": phases})
+    return {"case": asdict(case), "ranks": ranks}
+
+
+# --- predicting ----------------------------------------------------------------------------------
+
+
+def predict(case: Case) -> dict:
+    from service.modelshape import shape_for_model
+    from service.planner import plan
+    from service.spec import JobSpec
+
+    spec = JobSpec.model_validate(case.spec_body())
+    p = plan(spec, shape_for_model(spec.model), None)
+    return p.to_dict()
+
+
+def measured_categories(rank: dict) -> dict[str, int]:
+    """Telemetry's categories in the planner's names, device and host together (one RAM on CPU)."""
+    g = lambda k: int(rank.get(k) or 0)  # noqa: E731
+    return {
+        "parameters": g("parameters_bytes") + g("host_parameters_bytes"),
+        "gradients": g("gradients_bytes") + g("host_gradients_bytes"),
+        "optimizer_states": g("optimizer_bytes") + g("host_optimizer_bytes"),
+        "activations": g("activations_bytes"),
+        "temporary": g("temporary_bytes") + g("other_bytes"),
+        "total": g("peak_bytes"),
+    }
+
+
+def predicted_categories(p: dict) -> dict[str, int]:
+    d, h = p["per_rank"]["device"], p["per_rank"]["host"]
+    out = {c: d[c] + h[c] for c in CATS}
+    out["temporary"] += d["overhead"] + h["overhead"]
+    out["total"] = d["total"] + h["total"]
+    return out
+
+
+def baselines(case: Case) -> dict[str, float]:
+    """DeepSpeed's and accelerate's estimates for the same case, per rank, in bytes."""
+    import contextlib
+    import io
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from service.presets import preset_config
+
+    cfg = {k: v for k, v in preset_config(f"preset:{case.family}").items() if k != "architectures"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    total = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    out: dict[str, float] = {}
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        n = case.world
+        if case.strategy in ("zero3", "zero3_offload"):
+            off = case.strategy == "zero3_offload"
+            gpu, cpu, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=n,
+                                                                 cpu_offload=off, cpu_offload_params=off,
+                                                                 zero_init=True)
+        else:
+            gpu, cpu = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=n, cpu_offload=False)
+        out["deepspeed"] = float(gpu + (cpu / n if case.strategy == "zero3_offload" else 0))
+        from accelerate.utils import calculate_maximum_sizes
+
+        size, _ = calculate_maximum_sizes(model)
+        # accelerate estimate-memory: Adam training ≈ 4 × model size (fp32: 16 B/param; 16-bit: 8).
+        out["accelerate"] = float(size * 4 / (2 if case.precision == "bf16" else 1))
+    return out
+
+
+# --- the table -------------------------------------------------------------------------------------
+
+
+def _pct(pred: float, meas: float) -> float:
+    return 100.0 * (pred - meas) / meas if meas else 0.0
+
+
+def report(results: list[dict], out=sys.stdout) -> dict:
+    rows = []
+    w = out.write
+    w(f"{'config':42s} {'rank':>4s} {'measured':>9s} {'planner':>9s} {'err%':>6s} | "
+      f"{'params':>6s} {'grads':>6s} {'optim':>6s} {'activ':>6s} {'temp':>6s} | {'DeepSpeed':>9s} {'err%':>6s} "
+      f"{'accel':>7s} {'err%':>6s}\n")
+    for res in results:
+        case = Case(**res["case"])
+        pred = predicted_categories(res["plan"])
+        for rk in res["ranks"]:
+            meas = measured_categories(rk)
+            err = {c: _pct(pred[c], meas[c]) for c in (*CATS, "total")}
+            cat_err = {c: (100.0 * (pred[c] - meas[c]) / max(meas["total"], 1)) for c in CATS}
+            ds, acc = res["baselines"]["deepspeed"], res["baselines"]["accelerate"]
+            rows.append({"case": case.name, "rank": rk["rank"], "err": err, "cat_err": cat_err,
+                         "ds_err": _pct(ds, meas["total"]), "acc_err": _pct(acc, meas["total"]),
+                         "measured": meas, "predicted": pred})
+            w(f"{case.name:42s} {rk['rank']:4d} {meas['total'] / MiB:9.1f} {pred['total'] / MiB:9.1f} "
+              f"{err['total']:+6.1f} | "
+              + " ".join(f"{err[c]:+6.1f}" if c in ("parameters", "gradients", "optimizer_states") else f"{cat_err[c]:+6.1f}"
+                         for c in CATS)
+              + f" | {ds / MiB:9.1f} {_pct(ds, meas['total']):+6.1f} {acc / MiB:7.1f} {_pct(acc, meas['total']):+6.1f}\n")
+    tot = [abs(r["err"]["total"]) for r in rows]
+    summary = {
+        "configs": len(results),
+        "rank_samples": len(rows),
+        "max_abs_total_error_pct": max(tot),
+        "median_abs_total_error_pct": statistics.median(tot),
+        "under_predicted_fraction": sum(r["err"]["total"] < 0 for r in rows) / len(rows),
+        "max_abs_model_state_error_pct": max(
+            abs(r["err"][c]) for r in rows for c in ("parameters", "gradients", "optimizer_states")
+            if r["measured"][c] > 0
+        ),
+        "deepspeed_median_error_pct": statistics.median(r["ds_err"] for r in rows),
+        "accelerate_median_error_pct": statistics.median(r["acc_err"] for r in rows),
+    }
+    w("\n(params/grads/optim: signed % error of that category; activ/temp: signed error as % of the measured total)\n")
+    w(f"configs {summary['configs']}, rank samples {summary['rank_samples']}: "
+      f"max |error| {summary['max_abs_total_error_pct']:.2f}%, median |error| {summary['median_abs_total_error_pct']:.2f}%, "
+      f"under-predicted {100 * summary['under_predicted_fraction']:.0f}%, "
+      f"max params/grads/optimizer error {summary['max_abs_model_state_error_pct']:.2f}%\n")
+    w(f"DeepSpeed estimator median error {summary['deepspeed_median_error_pct']:+.1f}%, "
+      f"accelerate median error {summary['accelerate_median_error_pct']:+.1f}%\n")
+    return summary
+
+
+def run(cases: list[Case], *, load: str | None = None, save: str | None = None, log=sys.stderr) -> list[dict]:
+    measured: dict[str, dict] = {}
+    if load:
+        for m in json.loads(Path(load).read_text()):
+            measured[json.dumps(m["case"], sort_keys=True)] = m
+    from workers.models import build_preset
+
+    dirs: dict[str, str] = {}
+    results = []
+    t_start = time.time()
+    for i, case in enumerate(cases):
+        key = json.dumps(asdict(case), sort_keys=True)
+        if key not in measured:
+            if case.family not in dirs:
+                dirs[case.family] = str(build_preset(f"preset:{case.family}"))
+            t0 = time.time()
+            measured[key] = measure(case, dirs[case.family])
+            log.write(f"[{i + 1}/{len(cases)}] {case.name}: {time.time() - t0:.1f} s\n")
+            log.flush()
+            if save:
+                Path(save).write_text(json.dumps(list(measured.values())))
+        res = dict(measured[key])
+        res["plan"] = predict(case)
+        res["baselines"] = baselines(case)
+        results.append(res)
+    log.write(f"measured {len(cases)} configs in {time.time() - t_start:.0f} s\n")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a 6-config slice instead of the full 160-config matrix")
+    ap.add_argument("--save", help="write the measurements to this JSON file (appended as they finish)")
+    ap.add_argument("--load", help="reuse measurements from this JSON file; measure only what is missing")
+    ap.add_argument("--filter", help="only configs whose name contains this text")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cases = matrix(a.quick)
+    if a.filter:
+        cases = [c for c in cases if all(f in c.name for f in a.filter.split(","))]
+    results = run(cases, load=a.load, save=a.save)
+    summary = report(results)
+    return 0 if summary["max_abs_total_error_pct"] <= 5.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,641 @@
+"""The memory planner: per-rank bytes by category, before the job runs. Pure arithmetic, no torch.
+
+What it predicts is what workers/telemetry.py measures: the peak of live tensor bytes on one rank
+during a steady-state optimizer step, split into parameters, gradients, optimizer states,
+activations (saved for backward at the end of forward), temporaries and framework overhead — on
+the GPU, plus what lives in host memory (offloaded state). On a GPU the overhead adds what the
+allocator never sees (CUDA context, NCCL buffers) and the allocator's rounding/caching.
+
+How the activations are counted. Autograd keeps a tensor exactly when some op's backward needs
+it, so the planner walks each family's real block op by op and applies autograd's save rules:
+a linear keeps its input only if its weight is trainable (LoRA: the frozen base does not, the
+adapter's A does), a norm keeps its normalised input only if its weight is trainable, RMSNorm
+upcasts to fp32 (Llama, Qwen2, Mistral, Gemma), SwiGLU keeps gate, SiLU and up, SDPA keeps q, k, v,
+its output and a log-sum-exp (eager attention also the s² probabilities), and the loss
+(workers/steps.py) keeps the fp32 log-softmax of the logits. Three precision regimes differ:
+fp32; bf16 autocast (DDP: fp32 weights and residual stream, a bf16 copy of each linear input and
+weight); pure bf16 compute (FSDP2's MixedPrecisionPolicy, DeepSpeed bf16). The peak is the largest
+of the candidate instants: the loss in forward, the start of backward (the log-softmax plus two
+vocabulary-sized gradients), a checkpointed layer's recomputation, the end of backward and the
+optimizer step, each with the model states live at that instant.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.gpus import GPU, MiB, get_gpu
+from service.modelshape import ModelShape
+from service.spec import JobSpec, PeftMethod, Precision, StrategyName
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporary", "overhead")
+DEFAULT_HOST_BYTES = 16 * 2**30  # a CPU worker's memory when no host budget is given
+CPU_RUNTIME_BYTES = 600 * MiB  # RSS of a torch + transformers worker process before any tensor (measured)
+DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000  # ZeRO-3 keeps gathered params reused within this many elements
+
+
+@dataclass
+class Breakdown:
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_states: int = 0
+    activations: int = 0
+    temporary: int = 0
+    overhead: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, c) for c in CATEGORIES)
+
+    def to_dict(self) -> dict[str, int]:
+        d = {c: int(getattr(self, c)) for c in CATEGORIES}
+        d["total"] = int(self.total)
+        return d
+
+
+@dataclass
+class Plan:
+    fits: bool
+    parameter_count: int
+    trainable_parameter_count: int
+    world_size: int
+    gpu: str | None
+    capacity_bytes: int
+    usable_bytes: int
+    safety_margin: float
+    device: Breakdown
+    host: Breakdown
+    peak_phase: str
+    phases: dict[str, int]
+    assumptions: list[str] = field(default_factory=list)
+    runtime_bytes: int = 0  # CPU workers: process memory that is not tensors
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.device.total
+
+    def to_dict(self) -> dict[str, Any]:
+        per_rank = {"device": self.device.to_dict(), "host": self.host.to_dict()}
+        return {
+            "fits": self.fits,
+            "parameter_count": self.parameter_count,
+            "trainable_parameter_count": self.trainable_parameter_count,
+            "world_size": self.world_size,
+            "gpu": self.gpu,
+            "capacity_bytes": self.capacity_bytes,
+            "usable_bytes": self.usable_bytes,
+            "safety_margin": self.safety_margin,
+            "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase,
+            "per_rank": per_rank,
+            "device": per_rank["device"],
+            "host": per_rank["host"],
+            "phases": dict(self.phases),
+            "runtime_bytes": self.runtime_bytes,
+            "assumptions": list(self.assumptions),
+        }
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Regime:
+    """How tensors are stored in forward: element sizes of linear outputs, the residual stream, casts."""
+
+    name: str  # fp32 | autocast | pure16
+    act: int  # bytes per element of linear/attention outputs
+    residual: int  # bytes per element of the residual stream between blocks
+    casts: bool  # autocast: each linear makes its own bf16 copy of its input (and weight)
+
+
+REGIMES = {"fp32": Regime("fp32", 4, 4, False), "autocast": Regime("autocast", 2, 4, True),
+           "pure16": Regime("pure16", 2, 2, False)}
+
+
+@dataclass
+class Activations:
+    layer_bytes: list[int]  # saved per block with no checkpointing
+    final_bytes: int  # final norm + embedding indices + rotary tables
+    loss_saved_bytes: int  # fp32 log-softmax kept for backward
+    logits_bytes: int  # lm_head output, freed once the loss is computed
+    loss_copy_bytes: int  # the fp32 copy/contiguous reshape of the shifted logits, freed in forward
+    loss_grad_bytes: int  # two vocabulary-sized fp32 gradients at the start of backward
+    ckpt_layer_bytes: int  # what a checkpointed block keeps: its input
+    layer_backward_temp_bytes: int  # gradients in flight inside one block's backward
+
+    def saved(self, checkpointing: bool) -> int:
+        layers = len(self.layer_bytes) * self.ckpt_layer_bytes if checkpointing else sum(self.layer_bytes)
+        return layers + self.final_bytes + self.loss_saved_bytes
+
+
+def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
+    """None for a full fine-tune; otherwise the adapted module names."""
+    peft = spec.training.peft
+    if peft.method == PeftMethod.none:
+        return None
+    if peft.target_modules != "auto":
+        return set(peft.target_modules)
+    if shape.family == "gpt2":
+        return {"c_attn", "c_proj"}
+    return {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def activations(shape: ModelShape, b: int, s: int, regime: Regime, targets: set[str] | None, r: int,
+                attention: str = "sdpa") -> Activations:
+    """Bytes autograd keeps per block, by the family's ops (see the module docstring)."""
+    T = b * s
+    h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
+    full = targets is None
+    a, res = regime.act, regime.residual
+
+    def trainable(name: str) -> bool:
+        return full or name in (targets or ())
+
+    def adapted(name: str) -> bool:
+        return not full and name in (targets or ())
+
+    def linear_input(in_dtype_bytes: int, consumers: list[str], width: int) -> int:
+        """Bytes saved for the input shared by ``consumers`` (linears reading the same tensor)."""
+        savers = [c for c in consumers if trainable(c)]
+        if not savers:
+            return 0
+        if regime.casts and in_dtype_bytes == 4:
+            return len(savers) * T * width * 2  # each autocast linear casts its own bf16 copy
+        return T * width * (in_dtype_bytes if not regime.casts else 2)
+
+    def weight_casts(names: list[str]) -> int:
+        if not regime.casts:
+            return 0
+        shapes = shape.linear_shapes()
+        return sum(2 * shapes[n][0] * shapes[n][1] for n in names)
+
+    def lora_extra(names: list[str]) -> int:
+        return sum(T * r * a for n in names if adapted(n))  # lora_A output, kept by lora_B
+
+    layer: list[int] = []
+    small = T * 4  # per-token fp32 statistics (rsqrt, or mean + rstd for LayerNorm)
+    for idx in range(shape.num_layers):
+        in_grad = full or idx > 0  # LoRA: the frozen embedding's output needs no gradient
+        n = 0
+        if shape.family == "gpt2":
+            ln_in = (T * h * res if in_grad else 0) + 2 * small
+            n += ln_in + linear_input(res if not regime.casts else 4, ["c_attn"], h)
+            n += T * 3 * h * a + T * h * a + shape.num_heads * T * 4  # q,k,v (one c_attn storage), out, lse
+            n += lora_extra(["c_attn", "c_proj"])
+            n += T * h * res + 2 * small  # ln_2 input
+            n += linear_input(res if not regime.casts else 4, ["c_fc"], h)
+            n += 5 * T * i * a if full else 4 * T * i * a  # gelu_new's python ops keep x, tanh, 0.5x, 1+tanh
+            n += weight_casts(list(shape.linear_shapes()))
+        else:
+            norm_in = T * h * 4  # RMSNorm's fp32 view of its input, kept by pow
+            normalized = T * h * (4 if regime.name != "pure16" else 2)
+            # input norm
+            n += (norm_in if in_grad else 0) + small + (normalized if full else 0)
+            attn_in = ["q_proj", "k_proj", "v_proj"]
+            norm_out = 4 if regime.name != "pure16" else 2
+            n += linear_input(norm_out, attn_in, h)
+            if not full and regime.casts:
+                pass  # counted by linear_input: each adapted projection's lora_A casts its own copy
+            n += lora_extra(attn_in + ["o_proj"])
+            # attention: SDPA keeps q, k, v after rotary, its output (= o_proj's input) and the lse
+            n += T * qd * a + 2 * T * kvd * a + T * qd * a + b * shape.num_heads * s * 4
+            if attention == "eager":
+                probs = b * shape.num_heads * s * s
+                n += probs * 4 + (probs * 2 if regime.act == 2 else 0)
+                n += 2 * T * (qd - kvd) * a  # repeat_kv materialises k and v for every head
+            if shape.qk_norm:
+                n += 2 * (T * qd + T * kvd) * 4 // 2
+            # post-attention norm
+            n += T * h * 4 + small + (normalized if full else 0)
+            n += linear_input(norm_out, ["gate_proj", "up_proj"], h)
+            # MLP: gate, act(gate), up kept by the activation and the product; the product by down_proj
+            n += 3 * T * i * a + (T * i * a if trainable("down_proj") else 0)
+            n += lora_extra(["gate_proj", "up_proj", "down_proj"])
+            base_linears = list(shape.linear_shapes())
+            n += weight_casts(base_linears)
+            if shape.norms_per_layer == 4:
+                n += 2 * (T * h * 4 + small + (normalized if full else 0))
+        layer.append(n)
+    # final norm (+ lm_head input when lm_head trains), embedding indices, rotary cos/sin
+    final = T * h * 4 + small if shape.family != "gpt2" else T * h * res + 2 * small
+    if full:
+        final += T * h * (4 if regime.name != "pure16" else 2)  # normalised input, kept for the norm weight
+        final += T * h * (2 if regime.act == 2 else 4)  # lm_head's input (its bf16 copy under autocast)
+    if regime.casts:
+        final += 2 * shape.vocab * h  # lm_head weight's bf16 copy
+    final += T * 8  # embedding indices
+    if shape.family != "gpt2":
+        final += 2 * s * shape.head_dim * (4 if regime.name != "pure16" else 2)
+    Ts = b * (s - 1)  # shifted positions that carry a label
+    loss_saved = Ts * V * 4 + Ts * 8
+    logits = T * V * (4 if regime.name == "fp32" else 2)
+    loss_copy = Ts * V * 4  # fp32: reshape of the non-contiguous slice copies; bf16: .float() copies
+    ckpt_layer = T * h * res
+    bwd_temp = 2 * T * i * a + 2 * T * h * 4
+    return Activations(layer, final, loss_saved, logits, loss_copy, 2 * Ts * V * 4, ckpt_layer, bwd_temp)
+
+
+# --- model states --------------------------------------------------------------------------------
+
+
+def trainable_parameters(spec: JobSpec, shape: ModelShape) -> int:
+    peft = spec.training.peft
+    m = peft.method
+    if m == PeftMethod.none:
+        return shape.parameter_count()
+    targets = _lora_targets(spec, shape)
+    if m in (PeftMethod.lora, PeftMethod.qlora):
+        return shape.lora_params(peft.r, sorted(targets))
+    if m == PeftMethod.loha:
+        return 2 * shape.lora_params(peft.r, sorted(targets))
+    if m == PeftMethod.lokr:
+        return max(1, shape.lora_params(peft.r, sorted(targets)) // 4)
+    if m == PeftMethod.ia3:
+        return shape.num_layers * (2 * shape.kv_dim + shape.intermediate)
+    # prefix / prompt tuning
+    per_token = shape.hidden * (2 * shape.num_layers if m == PeftMethod.prefix_tuning else 1)
+    return peft.num_virtual_tokens * per_token
+
+
+def _regime(spec: JobSpec) -> Regime:
+    t = spec.training
+    if t.precision == Precision.fp32:
+        return REGIMES["fp32"]
+    if t.strategy == StrategyName.ddp or t.strategy == StrategyName.pipeline:
+        return REGIMES["autocast"]
+    return REGIMES["pure16"]  # FSDP2 MixedPrecisionPolicy and DeepSpeed bf16 compute in 16 bits
+
+
+def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size: int | None = None,
+         safety_margin: float = 0.10) -> Plan:
+    """Per-rank memory of ``spec`` training ``shape``; ``gpu`` (catalogue name) or the spec's gpu_type.
+
+    On CPU workers (no GPU) the "device" is host memory: the capacity is the host budget when one is
+    set, else ``DEFAULT_HOST_BYTES``, and offloaded state lands in the same RAM.
+    """
+    t = spec.training
+    gpu = gpu or t.resources.gpu_type
+    g: GPU | None = get_gpu(gpu) if gpu else None
+    on_gpu = g is not None
+    N = int(world_size or t.resources.num_workers)
+    resolved = spec.resolved()
+    b, accum = resolved.micro_batch_size, resolved.gradient_accumulation_steps
+    s = t.hyperparameters.max_seq_length
+    if t.peft.method == PeftMethod.prompt_tuning or t.peft.method == PeftMethod.prefix_tuning:
+        s += t.peft.num_virtual_tokens if t.peft.method == PeftMethod.prompt_tuning else 0
+    P = shape.parameter_count()
+    Pt = trainable_parameters(spec, shape)
+    full = t.peft.method == PeftMethod.none
+    targets = _lora_targets(spec, shape)
+    regime = _regime(spec)
+    assumptions: list[str] = [
+        f"sequences padded to max_seq_length={s}, micro-batch {b}, {accum} accumulation step(s)",
+        "AdamW: two fp32 moments per trainable parameter",
+        f"activations: {regime.name} regime, {t.attention} attention, "
+        f"{'checkpointing every block' if t.gradient_checkpointing else 'no checkpointing'}",
+    ]
+    strategy = t.strategy.value
+    ds = t.deepspeed
+    qlora = t.peft.method == PeftMethod.qlora
+
+    dev, host = Breakdown(), Breakdown()
+    # --- model states (steady state: optimizer states exist) -----------------------------
+    p_bytes = 4
+    if strategy == "deepspeed" and t.precision != Precision.fp32:
+        p_bytes = 2  # DeepSpeed converts the module to bf16; fp32 masters live in the optimizer
+    base_param_bytes = P * p_bytes
+    if qlora:
+        base_param_bytes = int((P - Pt - shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)) * 0.5 * 1.03) \
+            + shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) * 2 + Pt * 4
+        assumptions.append("QLoRA: NF4 base (0.5 B/param + double-quantised constants), 16-bit embeddings")
+    grads_full = Pt * 4
+    opt = Pt * 8
+    master = 0
+    gathered = 0  # params materialised during compute beyond the resident shards
+    gathered_root = 0
+    comm = 0  # communication buckets
+    opt_temp_unit = max(_largest_trainable(shape, targets, t.peft.r), 1) * 4
+
+    if strategy in ("ddp", "pipeline"):
+        stages = N if strategy == "pipeline" else 1
+        dev.parameters = base_param_bytes // stages
+        dev.gradients = grads_full // stages
+        dev.optimizer_states = opt // stages
+        if strategy == "ddp" and N > 1:
+            comm = Pt * 4  # DDP's gradient buckets: a second fp32 copy of every trainable gradient
+            assumptions.append("DDP keeps gradient buckets (one fp32 copy of the trainable gradients)")
+    elif strategy == "fsdp":
+        dev.parameters = P * 4 // N
+        dev.gradients = grads_full // N
+        dev.optimizer_states = opt // N
+        unit_bytes = 4 if regime.name == "fp32" else 2
+        layer_unsharded = shape.layer_params() * unit_bytes
+        root = (shape.parameter_count() - shape.num_layers * shape.layer_params()) * unit_bytes
+        gathered_root = root  # the root unit stays gathered from forward to backward
+        gathered = layer_unsharded * (2 if t.fsdp.reshard_after_forward else shape.num_layers)
+        comm = (shape.layer_params() * 4) if full else 0  # one unit's fp32 reduce-scatter input
+        if t.fsdp.cpu_offload:
+            host.parameters, dev.parameters = dev.parameters, 0
+            host.gradients, dev.gradients = dev.gradients, 0
+            host.optimizer_states, dev.optimizer_states = dev.optimizer_states, 0
+        assumptions.append("FSDP2: one unit per decoder block plus the root (embeddings, final norm, lm_head)")
+    elif strategy == "deepspeed":
+        stage = ds.zero_stage
+        bucket = ds.reduce_bucket_elements or shape.hidden * shape.hidden
+        comm = bucket * p_bytes * 2  # reduce (ipg) bucket and its all-gather twin
+        master = Pt * 4 if p_bytes == 2 or stage >= 1 else 0
+        if stage == 0:
+            dev.parameters = base_param_bytes
+            dev.gradients = Pt * p_bytes
+            dev.optimizer_states = opt + (Pt * 4 if p_bytes == 2 else 0)
+        elif stage in (1, 2):
+            dev.parameters = base_param_bytes
+            dev.gradients = Pt * p_bytes if stage == 1 else Pt * p_bytes // N
+            dev.optimizer_states = (opt + master) // N
+        else:
+            dev.parameters = base_param_bytes // N
+            dev.gradients = Pt * p_bytes // N
+            dev.optimizer_states = (opt + master) // N
+            prefetch = int(0.9 * shape.hidden * shape.hidden)
+            if P <= DEEPSPEED_MAX_REUSE_DISTANCE:
+                gathered = base_param_bytes  # every param is reused within max_reuse_distance: kept gathered
+                assumptions.append("ZeRO-3: the model is smaller than stage3_max_reuse_distance, so gathered "
+                                   "parameters stay live through forward and backward")
+            else:
+                gathered = (2 * shape.largest_layer_params() + prefetch) * p_bytes
+        if ds.offload_optimizer == "cpu":
+            host.optimizer_states, dev.optimizer_states = dev.optimizer_states, 0
+            host.gradients, dev.gradients = dev.gradients, 0
+        if ds.offload_param == "cpu":
+            host.parameters, dev.parameters = dev.parameters, 0
+        assumptions.append(f"DeepSpeed ZeRO-{stage}: reduce bucket {bucket} elements, prefetch 0.9·hidden², "
+                           "persistence threshold 10·hidden")
+        opt_temp_unit = (Pt // N) * 4 if stage >= 1 else opt_temp_unit
+    else:  # pragma: no cover - the spec enum has no other value
+        raise ValueError(f"unknown strategy {strategy!r}")
+
+    # --- activations and the peak ----------------------------------------------------------
+    act = activations(shape, b, s, regime, targets, t.peft.r, t.attention)
+    A = act.saved(t.gradient_checkpointing)
+    A_pre_loss = A - act.loss_saved_bytes
+    params_live = dev.parameters + host.parameters
+    opt_live = dev.optimizer_states + host.optimizer_states
+    grads_live = dev.gradients + host.gradients
+    # Gradients live during forward: from earlier micro-batches of the window (accumulation).
+    g_fwd = grads_live if accum > 1 else 0
+    base = params_live + opt_live + g_fwd + gathered_root
+    phases: dict[str, int] = {}
+    phases["forward"] = base + gathered + A_pre_loss + act.logits_bytes + act.loss_copy_bytes + act.loss_saved_bytes
+    phases["backward"] = base + gathered + A + act.loss_grad_bytes
+    if t.gradient_checkpointing:
+        layer_full = max(act.layer_bytes)
+        phases["backward_recompute"] = (
+            params_live + opt_live + grads_live + gathered + gathered_root + A - act.loss_saved_bytes
+            + layer_full + act.layer_backward_temp_bytes
+        )
+    phases["backward_end"] = params_live + opt_live + grads_live + gathered + comm + opt_temp_unit // 4
+    step_grads = grads_live + (master // N if strategy == "deepspeed" and ds.zero_stage >= 1 and p_bytes == 2 else 0)
+    phases["optimizer"] = params_live + opt_live + step_grads + 2 * opt_temp_unit
+    peak_phase = max(phases, key=lambda k: phases[k])
+    peak = phases[peak_phase]
+
+    dev.activations = A
+    named_state = params_live + grads_live + opt_live
+    temporary = peak - named_state - A
+    dev.temporary = temporary
+    if on_gpu:
+        dev.overhead = g.context_bytes + (g.nccl_bytes if N > 1 else 0)
+        # The caching allocator rounds blocks and keeps freed ones: budget ~5% of the live peak.
+        dev.overhead += int(0.05 * peak)
+        assumptions.append(f"overhead: CUDA context {g.context_bytes // MiB} MiB"
+                           + (f", NCCL {g.nccl_bytes // MiB} MiB" if N > 1 else "")
+                           + ", allocator rounding/cache 5% of the live peak")
+    # Host-resident state is part of the peak on CPU workers, where host and device are one RAM.
+    if not on_gpu:
+        dev.temporary -= host.parameters + host.gradients + host.optimizer_states
+    runtime = 0 if on_gpu else CPU_RUNTIME_BYTES
+    if on_gpu:
+        capacity = g.capacity_bytes
+    else:
+        capacity = t.resources.host_memory_budget_bytes or DEFAULT_HOST_BYTES
+    usable = int(capacity * (1 - safety_margin))
+    need = dev.total + (0 if on_gpu else host.total + runtime)
+    fits = need <= usable
+    if not on_gpu:
+        assumptions.append("CPU worker: device and host are the same RAM; capacity is the host budget "
+                           f"(or {DEFAULT_HOST_BYTES // 2**30} GiB), plus ~{CPU_RUNTIME_BYTES // MiB} MiB process runtime")
+    assumptions.append(f"fits when the predicted peak ≤ capacity × (1 − {safety_margin:.2f})")
+    return Plan(
+        fits=fits, parameter_count=P, trainable_parameter_count=Pt, world_size=N, gpu=g.name if g else None,
+        capacity_bytes=capacity, usable_bytes=usable, safety_margin=safety_margin, device=dev, host=host,
+        peak_phase=peak_phase, phases=phases, assumptions=assumptions, runtime_bytes=runtime,
+    )
+
+
+def _largest_trainable(shape: ModelShape, targets: set[str] | None, r: int) -> int:
+    if targets is None:
+        return shape.largest_layer_params()
+    shapes = shape.linear_shapes()
+    return max((r * max(din, dout) for n, (din, dout) in shapes.items() if n in targets or n.split(".")[-1] in targets),
+               default=1)
+
+
+# --- suggestions ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Suggestion:
+    change: str
+    description: str
+    cost: int  # lower is cheaper: speed or quality given up
+    plan: Plan
+    spec: JobSpec
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "change": self.change,
+            "description": self.description,
+            "cost": self.cost,
+            "predicted_peak_bytes": self.plan.peak_bytes,
+            "fits": self.plan.fits,
+            "plan": self.plan.to_dict(),
+            "spec": self.spec.model_dump(mode="json"),
+        }
+
+
+def _patched(spec: JobSpec, patch: dict[str, Any]) -> JobSpec:
+    body = spec.model_dump(mode="json", exclude_unset=False)
+    for dotted, value in patch.items():
+        node = body
+        keys = dotted.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return JobSpec.model_validate(body)
+
+
+def _candidates(spec: JobSpec, gpu: str | None) -> list[tuple[str, str, int, dict[str, Any]]]:
+    """(name, description, cost, patch) for each single change worth trying."""
+    t = spec.training
+    on_gpu = bool(gpu or t.resources.gpu_type)
+    out: list[tuple[str, str, int, dict[str, Any]]] = []
+    if t.precision == Precision.fp32 and (not on_gpu or get_gpu(gpu or t.resources.gpu_type).bf16):
+        out.append(("bf16", "train in bf16 mixed precision", 1, {"training.precision": "bf16"}))
+    if not t.gradient_checkpointing:
+        out.append(("gradient_checkpointing", "recompute activations in backward (~+30% compute)", 2,
+                    {"training.gradient_checkpointing": True}))
+    mb = t.hyperparameters.micro_batch_size
+    r = spec.resolved()
+    k = 2
+    while mb // k >= 1 and k <= 64:
+        new_mb = mb // k
+        if mb % k == 0:
+            patch: dict[str, Any] = {"training.hyperparameters.micro_batch_size": new_mb,
+                                     "training.hyperparameters.gradient_accumulation_steps": r.gradient_accumulation_steps * k}
+            if spec.openai_hyperparameters.batch_size != "auto":
+                patch.pop("training.hyperparameters.gradient_accumulation_steps")
+            out.append((f"micro_batch_{new_mb}", f"micro-batch {new_mb} with {r.gradient_accumulation_steps * k}× "
+                        f"accumulation (global batch {r.global_batch_size} kept)", 2 + k // 2, patch))
+        k *= 2
+    if t.peft.method == PeftMethod.none and not t.qat.enabled:
+        out.append(("lora", "train a LoRA adapter (r=16) instead of every weight", 4,
+                    {"training.peft.method": "lora", "training.peft.r": 16}))
+    n = t.resources.num_workers
+    if t.strategy == StrategyName.ddp and n > 1 and not t.qat.enabled:
+        out.append(("fsdp", "shard parameters, gradients and optimizer states with FSDP2", 3,
+                    {"training.strategy": "fsdp"}))
+        out.append(("zero3", "DeepSpeed ZeRO-3: shard parameters, gradients and optimizer states", 3,
+                    {"training.strategy": "deepspeed", "training.deepspeed.zero_stage": 3}))
+    if t.strategy == StrategyName.deepspeed and t.deepspeed.zero_stage < 3 and n > 1:
+        out.append(("zero3", "DeepSpeed ZeRO-3", 3, {"training.deepspeed.zero_stage": 3}))
+    if t.strategy == StrategyName.deepspeed and t.deepspeed.offload_optimizer == "none" and t.deepspeed.zero_stage >= 1:
+        out.append(("offload_optimizer", "offload optimizer states to host memory (slower steps)", 5,
+                    {"training.deepspeed.offload_optimizer": "cpu"}))
+    if t.strategy in (StrategyName.ddp,) and not t.qat.enabled:
+        out.append(("zero3_offload", "DeepSpeed ZeRO-3 with optimizer and parameters offloaded to host memory", 6,
+                    {"training.strategy": "deepspeed", "training.deepspeed.zero_stage": 3,
+                     "training.deepspeed.offload_optimizer": "cpu", "training.deepspeed.offload_param": "cpu"}))
+    if t.strategy == StrategyName.fsdp and not t.fsdp.cpu_offload:
+        out.append(("fsdp_offload", "FSDP2 with CPU offload of the shards", 6, {"training.fsdp.cpu_offload": True}))
+    if t.strategy in (StrategyName.fsdp, StrategyName.deepspeed) or n > 1:
+        for extra in (2, 4):
+            out.append((f"workers_{n * extra}", f"{n * extra} workers (more shards per rank)", 4 + extra,
+                        {"training.resources.num_workers": n * extra}))
+    elif t.strategy == StrategyName.ddp:
+        out.append(("fsdp_2", "FSDP2 over 2 workers", 5, {"training.strategy": "fsdp", "training.resources.num_workers": 2}))
+    return out
+
+
+def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
+            limit: int = 8) -> list[Suggestion]:
+    """Changes that would make ``spec`` fit, cheapest first, each with its predicted peak.
+
+    Single changes first; when none fits alone, cumulative combinations in cost order (e.g. bf16,
+    then + checkpointing, then + LoRA), so the list always ends in something that fits if anything does.
+    """
+    found: list[Suggestion] = []
+    singles = []
+    for name, desc, cost, patch in _candidates(spec, gpu):
+        try:
+            s2 = _patched(spec, patch)
+            p = plan(s2, shape, gpu, safety_margin=safety_margin)
+        except Exception:  # noqa: BLE001 - a candidate the spec rules refuse is simply not offered
+            continue
+        singles.append((name, desc, cost, patch, p))
+        if p.fits:
+            found.append(Suggestion(name, desc, cost, p, s2))
+    # Combinations: add cheap changes one at a time (greedy by cost) on top of each other.
+    ordered = sorted(singles, key=lambda x: (x[2], x[4].peak_bytes))
+    combo_patch: dict[str, Any] = {}
+    names: list[str] = []
+    cost_sum = 0
+    for name, desc, cost, patch, _ in ordered:
+        if any(name.startswith(p) for p in ("micro_batch_", "workers_")) and any(
+                n.startswith(name.split("_")[0]) for n in names):
+            continue
+        trial = {**combo_patch, **patch}
+        try:
+            s2 = _patched(spec, trial)
+            p = plan(s2, shape, gpu, safety_margin=safety_margin)
+        except Exception:  # noqa: BLE001
+            continue
+        if len(names) >= 1 and p.peak_bytes >= plan(_patched(spec, combo_patch), shape, gpu).peak_bytes:
+            continue  # this change does not help on top of the others
+        combo_patch, cost_sum = trial, cost_sum + cost
+        names.append(name)
+        if len(names) > 1 and p.fits:
+            found.append(Suggestion("+".join(names), " + ".join(names), cost_sum, p, s2))
+            break
+    found.sort(key=lambda s: (s.cost, s.plan.peak_bytes))
+    unique: list[Suggestion] = []
+    seen = set()
+    for s in found:
+        if s.change not in seen:
+            seen.add(s.change)
+            unique.append(s)
+    return unique[:limit]
+
+
+def auto_fix(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10
+             ) -> Suggestion | None:
+    """The cheapest change that fits, or None when the spec already fits or nothing does."""
+    if plan(spec, shape, gpu, safety_margin=safety_margin).fits:
+        return None
+    options = suggest(spec, shape, gpu, safety_margin=safety_margin)
+    return options[0] if options else None
+
+
+def plan_for_spec(spec: JobSpec, gpu: str | None = None, *, model_path: str | None = None,
+                  safety_margin: float = 0.10) -> dict[str, Any]:
+    """The JSON the API and CLI return: the plan, and when it does not fit, the ranked suggestions."""
+    from service.modelshape import shape_for_model
+
+    shape = shape_for_model(spec.model, model_path)
+    p = plan(spec, shape, gpu, safety_margin=safety_margin)
+    out = p.to_dict()
+    out["model"] = {"name": spec.model, **shape.to_dict()}
+    out["suggestions"] = [] if p.fits else [s.to_dict() for s in suggest(spec, shape, gpu, safety_margin=safety_margin)]
+    return out
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+
+def _fmt(n: int) -> str:
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def render(plan_dict: dict[str, Any], console=None) -> None:
+    """A readable table of a plan (``plan_for_spec`` output) with rich, for ``memfit plan``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    d, h = plan_dict["per_rank"]["device"], plan_dict["per_rank"]["host"]
+    where = plan_dict["gpu"] or "CPU worker"
+    verdict = "[green]fits[/green]" if plan_dict["fits"] else "[red]does not fit[/red]"
+    title = (f"{plan_dict.get('model', {}).get('name', 'model')} on {where} × {plan_dict['world_size']}: {verdict} "
+             f"(peak {_fmt(plan_dict['peak_bytes'])} of {_fmt(plan_dict['usable_bytes'])} usable, "
+             f"{plan_dict['parameter_count']:,} params, {plan_dict['trainable_parameter_count']:,} trainable)")
+    table = Table(title=title)
+    table.add_column("per rank")
+    table.add_column("device", justify="right")
+    table.add_column("host", justify="right")
+    for c in (*CATEGORIES, "total"):
+        table.add_row(c, _fmt(d[c]), _fmt(h[c]))
+    console.print(table)
+    for a in plan_dict.get("assumptions", []):
+        console.print(f"  · {a}")
+    if plan_dict.get("suggestions"):
+        st = Table(title="changes that would fit, cheapest first")
+        st.add_column("change")
+        st.add_column("what")
+        st.add_column("predicted peak", justify="right")
+        for s in plan_dict["suggestions"]:
+            st.add_row(s["change"], s["description"], _fmt(s["predicted_peak_bytes"]))
+        console.print(st)
