@@ -255,3 +255,29 @@ def test_oversized_json_body_is_413(client, tenant):
     body = b'{"model": "' + b"x" * MAX_JSON_BODY_BYTES + b'"}'
     r = client.post("/v1/fine_tuning/jobs", content=body, headers={**tenant.headers, "content-type": "application/json"})
     assert_problem(r, 413, "body_too_large", None)
+
+
+def test_concurrent_requests_with_one_key_create_one_job(api_app, tenant, upload_file):
+    import threading
+
+    from starlette.testclient import TestClient
+
+    file_id = upload_file(tenant).json()["id"]
+    body = {"model": "preset:tiny-llama", "training_file": file_id}
+    answers: list = []
+    barrier = threading.Barrier(6)
+
+    def post():
+        c = TestClient(api_app)
+        barrier.wait()
+        answers.append(c.post("/v1/fine_tuning/jobs", json=body, headers={**tenant.headers, "Idempotency-Key": "race"}))
+
+    threads = [threading.Thread(target=post) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {r.status_code for r in answers} <= {200, 409}
+    assert len({r.json()["id"] for r in answers if r.status_code == 200}) == 1
+    listed = TestClient(api_app).get("/v1/fine_tuning/jobs", headers=tenant.headers).json()["data"]
+    assert len(listed) == 1
