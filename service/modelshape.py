@@ -212,10 +212,44 @@ def shape_from_path(path: str | Path) -> ModelShape:
     return shape_from_config(cfg)
 
 
+# Shapes of well-known hub models, so that a plan needs no download (config.json values).
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "meta-llama/Llama-2-7b-hf": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+                                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                                 "vocab_size": 32000, "tie_word_embeddings": False},
+    "meta-llama/Llama-2-13b-hf": {"model_type": "llama", "hidden_size": 5120, "intermediate_size": 13824,
+                                  "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
+                                  "vocab_size": 32000, "tie_word_embeddings": False},
+    "meta-llama/Llama-3.1-8B": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                "vocab_size": 128256, "tie_word_embeddings": False},
+    "meta-llama/Llama-3.2-1B": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+                                "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                "vocab_size": 128256, "tie_word_embeddings": True, "head_dim": 64},
+    "mistralai/Mistral-7B-v0.1": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+                                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                  "vocab_size": 32000, "tie_word_embeddings": False},
+    "Qwen/Qwen2-7B": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+                      "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                      "vocab_size": 152064, "tie_word_embeddings": False},
+    "Qwen/Qwen2-0.5B": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+                        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                        "vocab_size": 151936, "tie_word_embeddings": True},
+    "openai-community/gpt2": {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12,
+                              "n_positions": 1024, "vocab_size": 50257},
+    "google/gemma-2b": {"model_type": "gemma", "hidden_size": 2048, "intermediate_size": 16384,
+                        "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1,
+                        "head_dim": 256, "vocab_size": 256000},
+}
+KNOWN_CONFIGS["gpt2"] = KNOWN_CONFIGS["openai-community/gpt2"]
+
+
 def shape_for_model(model: str, model_path: str | None = None) -> ModelShape:
-    """A job spec's ``model`` (preset or local directory) → its shape."""
+    """A job spec's ``model`` (preset, local directory or a well-known hub id) → its shape."""
     from service.presets import preset_config, preset_name
 
     if preset_name(model) is not None:
         return shape_from_config(preset_config(model))
+    if model_path is None and model in KNOWN_CONFIGS and not Path(model).is_dir():
+        return shape_from_config(KNOWN_CONFIGS[model])
     return shape_from_path(model_path or model)

@@ -38,6 +38,11 @@ DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000  # ZeRO-3 keeps gathered params reu
 
 @dataclass
 class Breakdown:
+    """Bytes live at the predicted peak instant, by category; ``total`` is the peak.
+
+    The full sizes of the model states (e.g. all gradients, even when the peak comes in forward
+    before any exist) are in ``Plan.state`` / ``model_states`` in the JSON."""
+
     parameters: int = 0
     gradients: int = 0
     optimizer_states: int = 0
@@ -71,10 +76,13 @@ class Plan:
     phases: dict[str, int]
     assumptions: list[str] = field(default_factory=list)
     runtime_bytes: int = 0  # CPU workers: process memory that is not tensors
+    state: dict[str, dict[str, int]] = field(default_factory=dict)  # full model-state sizes per place
+    activations_saved_bytes: int = 0  # what forward keeps for backward (at its end), whatever the peak phase
 
     @property
     def peak_bytes(self) -> int:
-        return self.device.total
+        """The device peak per rank; on CPU workers offloaded state shares the RAM and is added."""
+        return self.device.total + (self.host.total if self.gpu is None else 0)
 
     def to_dict(self) -> dict[str, Any]:
         per_rank = {"device": self.device.to_dict(), "host": self.host.to_dict()}
@@ -94,6 +102,8 @@ class Plan:
             "host": per_rank["host"],
             "phases": dict(self.phases),
             "runtime_bytes": self.runtime_bytes,
+            "model_states": self.state,
+            "activations_saved_bytes": self.activations_saved_bytes,
             "assumptions": list(self.assumptions),
         }
 
@@ -380,42 +390,41 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     # --- activations and the peak ----------------------------------------------------------
     act = activations(shape, b, s, regime, targets, t.peft.r, t.attention)
     A = act.saved(t.gradient_checkpointing)
-    A_pre_loss = A - act.loss_saved_bytes
-    params_live = dev.parameters + host.parameters
-    opt_live = dev.optimizer_states + host.optimizer_states
-    grads_live = dev.gradients + host.gradients
-    # Gradients live during forward: from earlier micro-batches of the window (accumulation).
-    g_fwd = grads_live if accum > 1 else 0
-    base = params_live + opt_live + g_fwd + gathered_root
-    phases: dict[str, int] = {}
-    phases["forward"] = base + gathered + A_pre_loss + act.logits_bytes + act.loss_copy_bytes + act.loss_saved_bytes
-    phases["backward"] = base + gathered + A + act.loss_grad_bytes
+    state = {"device": {"parameters": dev.parameters, "gradients": dev.gradients,
+                        "optimizer_states": dev.optimizer_states},
+             "host": {"parameters": host.parameters, "gradients": host.gradients,
+                      "optimizer_states": host.optimizer_states}}
+    dev_state = dev.parameters + dev.optimizer_states  # live on the device all step long
+    host_state = host.parameters + host.gradients + host.optimizer_states
+    shared = 0 if on_gpu else host_state  # a CPU worker's "device" is the same RAM as its host
+    g_all = dev.gradients
+    g_fwd = g_all if accum > 1 else 0  # earlier micro-batches' gradients are live in forward
+    offloaded_step = ds.offload_optimizer == "cpu" and strategy == "deepspeed" or (strategy == "fsdp" and t.fsdp.cpu_offload)
+    # DeepSpeed bf16: the fp32 master partition gets an fp32 copy of its gradients for the step.
+    master_grad = (Pt // N) * 4 if (strategy == "deepspeed" and ds.zero_stage >= 1 and p_bytes == 2) else 0
+    step_temp = master_grad + 2 * opt_temp_unit
+    host.temporary = step_temp if (offloaded_step and on_gpu) else 0
+    # (gradients live, activations live, temporaries) at each candidate instant
+    cands: dict[str, tuple[int, int, int]] = {
+        "forward": (g_fwd, A,
+                    gathered + gathered_root + act.logits_bytes + act.loss_copy_bytes),
+        "backward": (g_fwd, A, gathered + gathered_root + act.loss_grad_bytes),
+    }
     if t.gradient_checkpointing:
-        layer_full = max(act.layer_bytes)
-        phases["backward_recompute"] = (
-            params_live + opt_live + grads_live + gathered + gathered_root + A - act.loss_saved_bytes
-            + layer_full + act.layer_backward_temp_bytes
-        )
-    phases["backward_end"] = params_live + opt_live + grads_live + gathered + comm + opt_temp_unit // 4
-    step_grads = grads_live + (master // N if strategy == "deepspeed" and ds.zero_stage >= 1 and p_bytes == 2 else 0)
-    phases["optimizer"] = params_live + opt_live + step_grads + 2 * opt_temp_unit
+        cands["backward_recompute"] = (g_all, A - act.loss_saved_bytes + max(act.layer_bytes),
+                                       gathered + gathered_root + act.layer_backward_temp_bytes)
+    cands["backward_end"] = (g_all, 0, gathered + comm + opt_temp_unit // 4)
+    cands["optimizer"] = (g_all, 0, 0 if (offloaded_step and on_gpu) else step_temp)
+    phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
     peak_phase = max(phases, key=lambda k: phases[k])
-    peak = phases[peak_phase]
-
-    dev.activations = A
-    named_state = params_live + grads_live + opt_live
-    temporary = peak - named_state - A
-    dev.temporary = temporary
+    dev.gradients, dev.activations, dev.temporary = cands[peak_phase]
     if on_gpu:
         dev.overhead = g.context_bytes + (g.nccl_bytes if N > 1 else 0)
         # The caching allocator rounds blocks and keeps freed ones: budget ~5% of the live peak.
-        dev.overhead += int(0.05 * peak)
+        dev.overhead += int(0.05 * phases[peak_phase])
         assumptions.append(f"overhead: CUDA context {g.context_bytes // MiB} MiB"
                            + (f", NCCL {g.nccl_bytes // MiB} MiB" if N > 1 else "")
                            + ", allocator rounding/cache 5% of the live peak")
-    # Host-resident state is part of the peak on CPU workers, where host and device are one RAM.
-    if not on_gpu:
-        dev.temporary -= host.parameters + host.gradients + host.optimizer_states
     runtime = 0 if on_gpu else CPU_RUNTIME_BYTES
     if on_gpu:
         capacity = g.capacity_bytes
@@ -431,7 +440,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     return Plan(
         fits=fits, parameter_count=P, trainable_parameter_count=Pt, world_size=N, gpu=g.name if g else None,
         capacity_bytes=capacity, usable_bytes=usable, safety_margin=safety_margin, device=dev, host=host,
-        peak_phase=peak_phase, phases=phases, assumptions=assumptions, runtime_bytes=runtime,
+        peak_phase=peak_phase, phases=phases, assumptions=assumptions, runtime_bytes=runtime, state=state,
+        activations_saved_bytes=A,
     )
 
 

@@ -1,0 +1,166 @@
+"""The planner's arithmetic on known cases: model-state formulas, ZeRO stages, suggestions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from service.gpus import CATALOGUE, get_gpu
+from service.modelshape import shape_from_config
+from service.planner import auto_fix, plan, plan_for_spec, render, suggest
+from service.spec import JobSpec
+
+LLAMA2_7B = shape_from_config({
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000, "tie_word_embeddings": False,
+})
+P7 = 6_738_415_616
+
+
+def spec(**training) -> JobSpec:
+    t = {"hyperparameters": {"micro_batch_size": 1, "max_seq_length": 512},
+         "resources": {"gpus_per_worker": 1, "gpu_type": "a100-40gb"}}
+    for k, v in training.items():
+        if isinstance(v, dict) and isinstance(t.get(k), dict):
+            t[k] = {**t[k], **v}
+        else:
+            t[k] = v
+    return JobSpec.model_validate({"model": "meta-llama/Llama-2-7b-hf", "training_file": "file-x", "training": t})
+
+
+def test_llama2_7b_full_fp32_adamw_needs_16_bytes_per_param_and_does_not_fit():
+    p = plan(spec(), LLAMA2_7B, "a100-40gb")
+    d = p.to_dict()
+    assert d["parameter_count"] == d["trainable_parameter_count"] == P7
+    per_rank = d["per_rank"]["device"]
+    assert per_rank["parameters"] == 4 * P7
+    assert per_rank["gradients"] == 4 * P7
+    assert per_rank["optimizer_states"] == 8 * P7
+    assert per_rank["parameters"] + per_rank["gradients"] + per_rank["optimizer_states"] == 16 * P7
+    assert not d["fits"]
+    assert d["capacity_bytes"] == CATALOGUE["a100-40gb"].capacity_bytes
+    assert per_rank["total"] > d["capacity_bytes"]
+    for key in ("parameters", "gradients", "optimizer_states", "activations", "temporary", "overhead", "total"):
+        assert key in d["per_rank"]["device"] and key in d["per_rank"]["host"]
+
+
+def test_lora_r16_bf16_checkpointing_fits_a100_40gb():
+    s = spec(peft={"method": "lora", "r": 16}, precision="bf16", gradient_checkpointing=True)
+    p = plan(s, LLAMA2_7B, "a100-40gb")
+    assert p.fits, p.to_dict()
+    # r=16 on q,k,v,o of 32 layers of 4096×4096: 16·(4096+4096)·4·32
+    assert p.trainable_parameter_count == 16 * 8192 * 4 * 32
+    assert p.device.optimizer_states == 8 * p.trainable_parameter_count
+    assert p.device.parameters == 4 * P7  # the workers keep the frozen base in fp32 under autocast
+    assert p.device.total <= p.usable_bytes
+
+
+def test_checkpointing_and_bf16_cut_activations():
+    base = plan(spec(), LLAMA2_7B, "h100-80gb")
+    ckpt = plan(spec(gradient_checkpointing=True), LLAMA2_7B, "h100-80gb")
+    bf16 = plan(spec(precision="bf16"), LLAMA2_7B, "h100-80gb")
+    assert ckpt.activations_saved_bytes < base.activations_saved_bytes / 4
+    # Under autocast the bf16 copy of every fp32 weight is cached and kept for backward (2 B/param):
+    # with one short sequence that outweighs the halved activations, with a real batch it does not.
+    cast_bytes = 2 * (LLAMA2_7B.num_layers * sum(i * o for i, o in LLAMA2_7B.linear_shapes().values())
+                      + LLAMA2_7B.vocab * LLAMA2_7B.hidden)
+    assert bf16.activations_saved_bytes > cast_bytes
+    big = {"hyperparameters": {"micro_batch_size": 8, "max_seq_length": 2048}}
+    assert plan(spec(precision="bf16", **big), LLAMA2_7B, "h100-80gb").activations_saved_bytes < \
+        plan(spec(**big), LLAMA2_7B, "h100-80gb").activations_saved_bytes
+    longer = plan(spec(hyperparameters={"micro_batch_size": 1, "max_seq_length": 2048}), LLAMA2_7B, "h100-80gb")
+    assert longer.activations_saved_bytes > 3.9 * base.activations_saved_bytes
+
+
+def test_zero_stage_arithmetic_per_rank():
+    n = 8
+    common = {"precision": "bf16", "strategy": "deepspeed",
+              "resources": {"num_workers": n, "gpus_per_worker": 1, "gpu_type": "a100-80gb"}}
+    z1 = plan(spec(**common, deepspeed={"zero_stage": 1}), LLAMA2_7B, "a100-80gb").device
+    z2 = plan(spec(**common, deepspeed={"zero_stage": 2}), LLAMA2_7B, "a100-80gb").device
+    z3 = plan(spec(**common, deepspeed={"zero_stage": 3}), LLAMA2_7B, "a100-80gb").device
+    # ZeRO paper, mixed-precision Adam with K = 12 (fp32 master + two moments):
+    assert z1.parameters == 2 * P7 and z1.gradients == 2 * P7 and z1.optimizer_states == 12 * P7 // n
+    assert z2.parameters == 2 * P7 and z2.gradients == 2 * P7 // n and z2.optimizer_states == 12 * P7 // n
+    assert z3.parameters == 2 * P7 // n and z3.gradients == 2 * P7 // n and z3.optimizer_states == 12 * P7 // n
+    off = plan(spec(**common, deepspeed={"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}),
+               LLAMA2_7B, "a100-80gb")
+    assert off.device.optimizer_states == 0 and off.device.parameters == 0
+    assert off.host.optimizer_states == 12 * P7 // n and off.host.parameters == 2 * P7 // n
+
+
+def test_fsdp_shards_model_states():
+    n = 4
+    p = plan(spec(strategy="fsdp", resources={"num_workers": n, "gpus_per_worker": 1, "gpu_type": "h100-80gb"}),
+             LLAMA2_7B, "h100-80gb")
+    assert p.device.parameters == 4 * P7 // n
+    assert p.device.optimizer_states == 8 * P7 // n
+
+
+def test_suggestions_are_ordered_and_each_fits():
+    s = spec()
+    options = suggest(s, LLAMA2_7B, "a100-40gb")
+    assert options, "some change must make a 7B fine-tune fit on an A100-40GB"
+    costs = [o.cost for o in options]
+    assert costs == sorted(costs)
+    for o in options:
+        assert o.plan.fits
+        assert o.plan.peak_bytes <= o.plan.usable_bytes
+        again = plan(o.spec, LLAMA2_7B, "a100-40gb")
+        assert again.fits and again.peak_bytes == o.plan.peak_bytes
+    fix = auto_fix(s, LLAMA2_7B, "a100-40gb")
+    assert fix is not None and fix.change == options[0].change
+
+
+def test_micro_batch_suggestion_keeps_the_global_batch():
+    shape = shape_from_config({"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+                               "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+                               "vocab_size": 32000})
+    s = spec(hyperparameters={"micro_batch_size": 32, "max_seq_length": 2048}, precision="bf16",
+             peft={"method": "lora", "r": 16}, resources={"gpus_per_worker": 1, "gpu_type": "l4"})
+    assert not plan(s, shape, "l4").fits
+    options = suggest(s, shape, "l4")
+    mb = [o for o in options if o.change.startswith("micro_batch_")]
+    assert mb, [o.change for o in options]
+    for o in mb:
+        assert o.spec.resolved().global_batch_size == s.resolved().global_batch_size
+
+
+def test_cpu_worker_capacity_is_the_host_budget():
+    def body(budget=None, **training):
+        return JobSpec.model_validate({"model": "preset:small-llama", "training_file": "file-x", "training": {
+            "resources": {"host_memory_budget_bytes": budget}, **training}})
+
+    full = plan_for_spec(body())
+    ckpt = plan_for_spec(body(gradient_checkpointing=True))
+    assert full["gpu"] is None and full["fits"]
+    # A budget between the two: the full run does not fit, checkpointing does.
+    budget = int((full["runtime_bytes"] + (full["peak_bytes"] + ckpt["peak_bytes"]) // 2) / 0.9)
+    out = plan_for_spec(body(budget))
+    assert out["capacity_bytes"] == budget
+    assert out["fits"] is False and out["suggestions"]
+    assert all(s["fits"] for s in out["suggestions"])
+    assert "gradient_checkpointing" in [s["change"] for s in out["suggestions"]]
+    assert out["model"]["family"] == "llama"
+
+
+def test_unknown_gpu_is_named():
+    with pytest.raises(KeyError, match="a100-40gb"):
+        get_gpu("a101")
+
+
+def test_render_prints_a_table():
+    from rich.console import Console
+
+    console = Console(record=True, width=140)
+    render(plan_for_spec(spec()), console)
+    text = console.export_text()
+    assert "does not fit" in text and "optimizer_states" in text and "changes that would fit" in text
+
+
+def test_service_planner_does_not_import_torch():
+    code = "import sys, service.planner, service.gpus, service.modelshape; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
