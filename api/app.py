@@ -92,6 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router)
     pages.install(app)  # the dashboard's static files
     metrics.install(app)  # GET /metrics and the request-latency middleware
+    stream.install(app)  # wake SSE feeds when this process stores a job's events
     _document_job_spec(app)
     return app
 

@@ -417,6 +417,13 @@ def plan_command(spec: Path = typer.Argument(..., exists=True, dir_okay=False, h
     if as_json:
         _print_json(plan)
         return
+    try:
+        from service.planner import render  # the planner's own table: one rendering of a plan
+    except ImportError:
+        render = None
+    if render is not None and isinstance(plan, dict) and "per_rank" in plan:
+        render(plan, console)
+        return
     breakdown = plan_breakdown(plan) or {}
     capacity, label = plan_capacity(plan)
     fits = plan.get("fits") if isinstance(plan, dict) else None

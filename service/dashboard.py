@@ -117,7 +117,7 @@ def plan_suggestions(plan: dict | None) -> list[dict]:
             out = []
             for s in value:
                 if isinstance(s, dict):
-                    out.append({"change": s.get("change") or s.get("description") or s.get("name") or s.get("title") or str(s),
+                    out.append({"change": s.get("description") or s.get("change") or s.get("name") or s.get("title") or str(s),
                                 "predicted_peak_bytes": _num(s.get("predicted_peak_bytes") or s.get("peak_bytes")
                                                              or s.get("total_bytes") or s.get("total")),
                                 "fits": s.get("fits")})

@@ -60,14 +60,14 @@ def plan_body(body: dict[str, Any], gpu: str | None = None) -> dict[str, Any]:
 
     body = {"training_file": "file-planner", **body}
     spec = validate_spec(body, None)
-    for name in ("plan_spec", "plan_job", "plan", "preflight"):
+    for name in ("plan_for_spec", "preflight"):
         fn = getattr(planner, name, None)
         if fn is None or not callable(fn):
             continue
         params = inspect.signature(fn).parameters
         kwargs: dict[str, Any] = {}
-        if "gpu" in params and gpu:
-            kwargs["gpu"] = gpu
+        if "gpu" in params:
+            kwargs["gpu"] = gpu or (spec.training.resources.gpu_type if spec.training.resources.gpus_per_worker else None)
         if "settings" in params:
             kwargs["settings"] = get_settings()
         if "model_path" in params:

@@ -26,6 +26,7 @@ import asyncio
 import bisect
 import json
 import logging
+import re
 from typing import AsyncIterator
 from urllib.parse import parse_qs
 
@@ -75,6 +76,7 @@ class JobFeed:
         self.done = False
         self.subscribers = 0
         self.wakeup = asyncio.Event()
+        self.poked = asyncio.Event()
         self.task: asyncio.Task | None = None
 
     def _notify(self) -> None:
@@ -103,7 +105,12 @@ class JobFeed:
             if rows or self.done:
                 self._notify()
             if not self.done and len(rows) < PAGE:
-                await asyncio.sleep(self.hub.poll_s)
+                # Sleep one poll interval, or less when this process just stored records for the job.
+                try:
+                    await asyncio.wait_for(self.poked.wait(), self.hub.poll_s)
+                except asyncio.TimeoutError:
+                    pass
+                self.poked.clear()
 
 
 class StreamHub:
@@ -127,6 +134,12 @@ class StreamHub:
             feed.task = asyncio.get_running_loop().create_task(feed.run(), name=f"memfit-feed-{job_id}")
         feed.subscribers += 1
         return feed
+
+    def poke(self, job_id: str) -> None:
+        """New events for ``job_id`` were just committed by this process: poll now, not at the next tick."""
+        feed = self.feeds.get(job_id)
+        if feed is not None:
+            feed.poked.set()
 
     def release(self, feed: JobFeed) -> None:
         feed.subscribers -= 1
@@ -180,7 +193,11 @@ class StreamHub:
 
 
 def hub_of(request: Request) -> StreamHub:
-    state = request.app.state
+    return _hub(request.app)
+
+
+def _hub(app) -> StreamHub:
+    state = app.state
     hub = getattr(state, "stream_hub", None)
     if hub is None:
         hub = state.stream_hub = StreamHub(state.read_sessions)
@@ -240,3 +257,40 @@ router.add_api_route("/{job_id}/events/stream", stream_events, methods=["GET"],
 router.add_api_route("/{job_id}/events", stream_events, methods=["GET"], route_class_override=StreamQueryRoute,
                      summary="Stream a job's events when stream=true (Server-Sent Events)",
                      response_class=StreamingResponse, include_in_schema=False)
+
+
+_INGEST = re.compile(r"^/v1/internal/jobs/([^/]+)/ingest$")
+_ACTIONS = re.compile(r"^/v1/fine_tuning/jobs/([^/]+)/(cancel|pause|resume)$")
+
+
+class PokeOnWrite:
+    """ASGI middleware: after a successful ingest post or user action on a job, wake that job's
+    feed so streams in this process see the new events at once. Writes made by other processes
+    (another API replica, the scheduler) are picked up by the feed's regular poll."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        m = _INGEST.match(path) or _ACTIONS.match(path)
+        if m is None:
+            return await self.app(scope, receive, send)
+        status = {}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+        if status.get("code", 500) < 300:
+            hub = getattr(scope["app"].state, "stream_hub", None) if "app" in scope else None
+            if hub is not None:
+                hub.poke(m.group(1))
+
+
+def install(app) -> None:
+    app.add_middleware(PokeOnWrite)
