@@ -8,7 +8,9 @@ Status codes: 400 the request could not be read (malformed JSON body or multipar
 that is not valid JSONL); 401 missing/invalid/revoked key; 404 unknown or another tenant's object;
 409 illegal state transition or an Idempotency-Key still in flight; 413 upload over the limit;
 422 a well-formed request whose values are wrong (spec fields, unknown fields, cross-field rules,
-model, purpose, limit, cursor, Idempotency-Key reused with another body).
+model, purpose, limit, cursor, Idempotency-Key reused with another body; a job predicted not to fit
+its memory under memory_policy=reject: ``insufficient_memory`` with ``breakdown``, ``suggestions`` and
+``plan`` members, from service.memory.DoesNotFit).
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ def problem_response(
     openai_type: str | None = None,
     headers: dict[str, str] | None = None,
     retryable: bool = False,
+    extensions: dict[str, Any] | None = None,
 ) -> JSONResponse:
     body = {
+        **(extensions or {}),  # a domain error's own members (DoesNotFit: breakdown, suggestions, plan)
         "type": PROBLEM_BASE + code,
         "title": title,
         "status": status,
@@ -69,6 +73,7 @@ async def _domain(request: Request, exc: DomainError) -> JSONResponse:
     return problem_response(
         request, status=exc.status, code=exc.code, title=exc.title, detail=exc.message, param=exc.param,
         errors=exc.errors, openai_type=exc.openai_type, headers=exc.headers, retryable=exc.retryable,
+        extensions=getattr(exc, "extensions", None),  # service.memory.DoesNotFit (422 insufficient_memory)
     )
 
 
