@@ -7,13 +7,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors, metrics
-from api.routes import files, health, ingest, jobs, pages, stream
+from api.routes import files, health, ingest, jobs, memory, pages, stream
 from service import db
 from service.errors import PayloadTooLarge
 from service.settings import Settings, ensure_dirs, get_settings
 
 # Other features add their router here, one line each.
-ROUTERS = [health.router, files.router, stream.router, jobs.router, ingest.router, pages.router]  # stream before jobs: it claims …/events?stream=true
+ROUTERS = [health.router, files.router, stream.router, jobs.router, ingest.router, pages.router, memory.router]  # stream before jobs: it claims …/events?stream=true
 
 
 def _known_gpus() -> set[str] | None:

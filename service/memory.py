@@ -1,0 +1,486 @@
+"""Memory truth on the service side: the plan a job is submitted with, the pre-flight policy, and
+predicted against measured once the job runs (issue 5, items 3–5). The arithmetic is the planner's
+(service/planner.py); this module decides *which* model shape and *which* capacity a job is planned
+against, what the memory policy does with the answer, and how the answer is compared with what the
+workers measure.
+
+- :func:`resolve_shape` — a spec's ``model`` → its shape: a preset's config dict, a directory under
+  ``MEMFIT_MODEL_DIRS`` → its ``config.json``, a hub id → the planner's known shapes. Anything else is
+  :class:`UnknownModelShape`: the job still runs and its memory is only measured.
+- :func:`plan_for_spec` — the plan JSON (``POST /v1/memory/plan``, stored as ``jobs.plan``).
+  Capacity: the named GPU (the ``gpu`` override, else ``training.resources.gpu_type``); with no GPU
+  named (CPU workers) only ``host_memory_budget_bytes`` is a capacity, and without one the plan is
+  informative: it always fits and ``capacity_bytes`` is null.
+- :func:`preflight` — ``memory_policy`` applied at job creation: ``reject`` raises :class:`DoesNotFit`
+  (422 ``insufficient_memory`` with the breakdown and the ranked changes that fit), ``auto`` applies
+  the cheapest change that fits and says so in a job event, ``ignore`` runs as given with a warning.
+- :func:`job_memory_view` — ``GET /v1/fine_tuning/jobs/{id}/memory``; :func:`summary_fields` keeps
+  the short ``memory`` summary on the job current as samples arrive; :func:`oom_error` completes an
+  out-of-memory failure with the dominant category and the planner's suggestions.
+
+Predicted and measured are compared in the categories the telemetry can measure, the way
+bench/memory_accuracy.py does: parameters, gradients and optimizer states at their full size on the
+rank (device + host), activations (saved for backward), temporary (the rest of the peak) and the
+total — the peak of live tensor bytes. On a GPU the plan's ``overhead`` (CUDA context, NCCL buffers,
+allocator rounding) is outside what the allocator's tensors show, so the predicted total compared with
+the measured peak is the plan's peak minus its overhead. Errors are signed: (predicted − measured) /
+measured, negative when the planner under-predicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from service.errors import UnprocessableEntity
+from service.settings import Settings
+from service.spec import JobSpec, MemoryPolicy, SpecError, check_rules, validate_spec
+
+STEADY_STATE_STEP = 3  # the planner predicts a steady-state step: the optimizer states exist from step 2
+COMPARED = ("parameters", "gradients", "optimizer_states", "activations", "temporary", "total")
+MAX_SUGGESTIONS = 6
+PLAN_TRAINING_FILE = "file-plan-only"  # what POST /v1/memory/plan puts in a body without training_file
+
+
+class UnknownModelShape(ValueError):
+    """The planner cannot read the model's shape; the worker measures its memory instead."""
+
+
+class DoesNotFit(UnprocessableEntity):
+    """memory_policy=reject and the predicted per-rank peak is over the usable capacity."""
+
+    code, title = "insufficient_memory", "Insufficient memory"
+
+    def __init__(self, plan: dict[str, Any], *, reason: str = ""):
+        where = plan.get("gpu") or "the host memory budget"
+        message = (f"predicted peak {_gib(plan['peak_bytes'])} per rank does not fit {where}: "
+                   f"{_gib(plan['usable_bytes'])} usable of {_gib(plan['capacity_bytes'])} "
+                   f"(safety margin {plan['safety_margin']:.0%})")
+        n = len(plan.get("suggestions") or [])
+        message += f"; {n} change(s) that fit are in `suggestions`, cheapest first" if n else "; no change the planner knows fits"
+        super().__init__(message + reason, param="training")
+        self.plan = plan
+        # RFC 9457 extension members (api/errors.py adds them to the problem body).
+        self.extensions = {"breakdown": plan["per_rank"], "suggestions": plan.get("suggestions") or [], "plan": plan}
+        # The scheduler's hook (service/scheduler.py memory_preflight) reads this shape.
+        self.error = {"code": self.code, "message": message, "param": "training",
+                      "details": {"breakdown": plan["per_rank"], "suggestions": plan.get("suggestions") or [],
+                                  "plan": plan}}
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+# --- the model's shape ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedShape:
+    shape: Any  # service.modelshape.ModelShape
+    source: str  # preset | local | hub
+
+
+def resolve_shape(spec: JobSpec, settings: Settings, model_path: str | None = None) -> ResolvedShape:
+    """The shape of ``spec.model``; raises UnknownModelShape saying why when the planner cannot read it."""
+    from service.modelshape import KNOWN_CONFIGS, UnsupportedModel, shape_from_config, shape_from_path
+    from service.presets import PRESETS, preset_config, preset_name
+
+    model = spec.model
+    name = preset_name(model)
+    if name is not None:
+        if name not in PRESETS:
+            raise UnknownModelShape(f"unknown preset {model!r}")
+        return ResolvedShape(shape_from_config(preset_config(model)), "preset")
+    directory = Path(model_path) if model_path else _local_dir(model, settings)
+    if directory is not None:
+        try:
+            return ResolvedShape(shape_from_path(directory), "local")
+        except UnsupportedModel as exc:
+            raise UnknownModelShape(f"unknown model shape for {model!r}: {exc}") from None
+    if model in KNOWN_CONFIGS:
+        return ResolvedShape(shape_from_config(KNOWN_CONFIGS[model]), "hub")
+    raise UnknownModelShape(f"unknown model shape for {model!r}: not a preset, not a directory under "
+                            "MEMFIT_MODEL_DIRS with a config.json, and not a hub id the planner knows")
+
+
+def _local_dir(model: str, settings: Settings) -> Path | None:
+    """A directory under MEMFIT_MODEL_DIRS holding config.json (an absolute path or a name in one)."""
+    candidates = []
+    if model.startswith(("/", ".", "~")):
+        path = Path(model).expanduser().resolve()
+        if any(path == d or d in path.parents for d in settings.model_dirs):
+            candidates.append(path)
+    else:
+        candidates.extend(d / model for d in settings.model_dirs)
+    return next((c for c in candidates if (c / "config.json").is_file()), None)
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+def _gpu_for(spec: JobSpec, gpu: str | None) -> str | None:
+    if gpu:
+        return gpu
+    res = spec.training.resources
+    return res.gpu_type if res.gpus_per_worker > 0 else None
+
+
+def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | None = None):
+    """(plan dict, suggestions as planner objects). Raises UnknownModelShape, UnknownGPU."""
+    from service import planner
+    from service.gpus import get_gpu
+
+    resolved = resolve_shape(spec, settings, model_path)
+    gpu = _gpu_for(spec, gpu)
+    if gpu:
+        gpu = get_gpu(gpu).name  # UnknownGPU names the catalogue
+    margin = settings.memory_safety_margin
+    p = planner.plan(spec, resolved.shape, gpu, safety_margin=margin)
+    out = p.to_dict()
+    out["model"] = {"name": spec.model, "source": resolved.source, **resolved.shape.to_dict()}
+    need = p.device.total + (0 if p.gpu else p.host.total + p.runtime_bytes)
+    informative = p.gpu is None and spec.training.resources.host_memory_budget_bytes is None
+    if informative:
+        out.update(fits=True, capacity_bytes=None, usable_bytes=None, margin_bytes=None)
+        out["assumptions"] = [*out["assumptions"], "no GPU named and no host memory budget: the plan is "
+                              "informative (nothing to fit into), the job is never refused"]
+    else:
+        out["margin_bytes"] = p.usable_bytes - need  # headroom left under the usable capacity; < 0: short
+    out["need_bytes"] = need
+    out["memory_policy"] = spec.training.memory_policy.value
+    suggestions = []
+    if not out["fits"]:
+        suggestions = [s for s in planner.suggest(spec, resolved.shape, gpu, safety_margin=margin, limit=12)
+                       if s.plan.fits and not check_rules(s.spec)][:MAX_SUGGESTIONS]
+    out["suggestions"] = [_suggestion_dict(i + 1, spec, s) for i, s in enumerate(suggestions)]
+    return out, suggestions
+
+
+def _suggestion_dict(rank: int, spec: JobSpec, s) -> dict[str, Any]:
+    """A planner Suggestion (change, description, cost, plan, spec) as JSON: its predicted peak and
+    the spec fields it changes."""
+    return {
+        "rank": rank,
+        "change": s.change,
+        "description": s.description,
+        "cost": s.cost,
+        "fits": s.plan.fits,
+        "predicted_peak_bytes": s.plan.peak_bytes,
+        "usable_bytes": s.plan.usable_bytes,
+        "device_total_bytes": s.plan.device.total,
+        "host_total_bytes": s.plan.host.total,
+        "spec_changes": _diff(spec.model_dump(mode="json"), s.spec.model_dump(mode="json")),
+    }
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted paths whose value differs from ``a`` to ``b``, with the new value."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: dict[str, Any] = {}
+        for k in sorted(set(a) | set(b)):
+            out.update(_diff(a.get(k), b.get(k), f"{prefix}{k}."))
+        return out
+    return {} if a == b else {prefix.rstrip("."): b}
+
+
+def plan_for_spec(spec: JobSpec, settings: Settings, gpu: str | None = None, *,
+                  model_path: str | None = None) -> dict[str, Any]:
+    """The plan JSON for ``spec``: ``fits``, parameter counts, per-rank ``device``/``host`` bytes by
+    category with ``total``, capacity, margin, assumptions, and (when it does not fit) the ranked
+    ``suggestions`` that fit, each with its predicted peak and the spec fields it changes."""
+    return _plan(spec, settings, gpu, model_path)[0]
+
+
+def plan_request(body: Any, settings: Settings, *, gpu: str | None = None,
+                 known_gpus: set[str] | None = None) -> dict[str, Any]:
+    """``POST /v1/memory/plan``: a create body (``training_file`` optional) → the plan. Raises
+    SpecInvalid naming each bad field, UnprocessableEntity for an unknown GPU or model shape."""
+    from service.errors import BadRequest, SpecInvalid
+    from service.gpus import UnknownGPU
+
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object", code="invalid_json")
+    body = {"training_file": PLAN_TRAINING_FILE, **body}
+    try:
+        spec = validate_spec(body, known_gpus)
+    except SpecError as exc:
+        raise SpecInvalid([p.model_dump() for p in exc.problems]) from None
+    try:
+        return plan_for_spec(spec, settings, gpu)
+    except UnknownGPU as exc:
+        raise UnprocessableEntity(str(exc), param="gpu", code="unknown_gpu") from None
+    except UnknownModelShape as exc:
+        raise UnprocessableEntity(str(exc), param="model", code="unknown_model_shape") from None
+
+
+# --- pre-flight -------------------------------------------------------------------------------
+
+
+@dataclass
+class PreflightOutcome:
+    spec: JobSpec  # the spec to run: the submitted one, or auto's patched one
+    plan: dict[str, Any] | None  # what jobs.plan stores (None: model shape unknown)
+    events: list[dict[str, Any]] = field(default_factory=list)  # add_event keyword dicts
+    applied: dict[str, Any] | None = None  # auto: the suggestion applied
+
+
+def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = None) -> PreflightOutcome:
+    """Apply ``training.memory_policy`` to the plan of ``spec`` (see the module docstring)."""
+    try:
+        plan, options = _plan(spec, settings, None, model_path)
+    except UnknownModelShape as exc:
+        return PreflightOutcome(spec, None, [{
+            "message": f"memory pre-flight: {exc}; memory will be measured in the worker, not predicted",
+            "level": "warn", "data": {"memory_preflight": "unknown_model_shape"}}])
+    if plan["fits"]:
+        return PreflightOutcome(spec, plan)
+    policy = spec.training.memory_policy
+    if policy == MemoryPolicy.reject:
+        raise DoesNotFit(plan)
+    if policy == MemoryPolicy.ignore:
+        return PreflightOutcome(spec, plan, [{
+            "message": f"memory pre-flight: predicted peak {_gib(plan['peak_bytes'])} per rank exceeds the usable "
+                       f"{_gib(plan['usable_bytes'])} of {plan['gpu'] or 'the host memory budget'}; running anyway "
+                       "(memory_policy=ignore)",
+            "level": "warn",
+            "data": {"memory_preflight": "ignored", "peak_bytes": plan["peak_bytes"],
+                     "usable_bytes": plan["usable_bytes"], "suggestions": plan["suggestions"]}}])
+    if not options:  # auto, and nothing fits
+        raise DoesNotFit(plan, reason=" (memory_policy=auto had nothing to apply)")
+    chosen, applied = options[0], plan["suggestions"][0]
+    new_plan, _ = _plan(chosen.spec, settings, None, model_path)
+    changes = ", ".join(f"{k}={v}" for k, v in applied["spec_changes"].items())
+    return PreflightOutcome(chosen.spec, new_plan, [{
+        "message": f"memory pre-flight: applied {applied['change']} ({applied['description']}; {changes}): "
+                   f"predicted peak {_gib(plan['peak_bytes'])} → {_gib(new_plan['peak_bytes'])} per rank, "
+                   f"{_gib(new_plan['usable_bytes'])} usable",
+        "data": {"memory_preflight": "auto", "applied": applied, "before_peak_bytes": plan["peak_bytes"],
+                 "after_peak_bytes": new_plan["peak_bytes"]}}], applied)
+
+
+def record_preflight(session, job, outcome: PreflightOutcome) -> None:
+    """Store the pre-flight on a new job (its plan, the memory summary) and its events."""
+    from service.jobs import add_event
+
+    job.plan = outcome.plan
+    job.memory_summary = initial_summary(outcome.plan)
+    session.flush()
+    for e in outcome.events:
+        add_event(session, job.id, e["message"], level=e.get("level", "info"), data=e.get("data"), attempt=0)
+
+
+# --- predicted vs measured ----------------------------------------------------------------------
+
+
+def predicted_categories(plan: dict[str, Any] | None) -> dict[str, int] | None:
+    """The plan in the measured categories (module docstring): model states at full size on the rank,
+    activations, the peak of live tensors (minus the GPU overhead) and the rest as temporary."""
+    if not plan or "per_rank" not in plan:
+        return None
+    d, h = plan["per_rank"]["device"], plan["per_rank"]["host"]
+    states = plan.get("model_states") or {}
+    out = {}
+    for c in ("parameters", "gradients", "optimizer_states"):
+        if states:
+            out[c] = int(states["device"][c] + states["host"][c])
+        else:
+            out[c] = int(d[c] + h[c])
+    out["activations"] = int(d["activations"] + h["activations"])
+    out["total"] = int(plan["peak_bytes"] - (d.get("overhead", 0) if plan.get("gpu") else 0))
+    out["temporary"] = max(0, out["total"] - sum(out[c] for c in ("parameters", "gradients", "optimizer_states",
+                                                                   "activations")))
+    return {c: out[c] for c in COMPARED}
+
+
+def _measured(s: Any) -> dict[str, int | None]:
+    """One sample (a MemorySample row or MemoryRecord) in the compared categories."""
+    g = lambda k: getattr(s, k, None)  # noqa: E731
+
+    def add(*keys):
+        vals = [g(k) for k in keys]
+        return None if all(v is None for v in vals) else int(sum(v or 0 for v in vals))
+
+    return {
+        "parameters": add("parameters_bytes", "host_parameters_bytes"),
+        "gradients": add("gradients_bytes", "host_gradients_bytes"),
+        "optimizer_states": add("optimizer_bytes", "host_optimizer_bytes"),
+        "activations": g("activations_bytes"),
+        "temporary": add("temporary_bytes", "other_bytes") if g("peak_bytes") is not None else None,
+        "total": g("peak_bytes"),
+    }
+
+
+def _steady(samples: list[Any]) -> list[Any]:
+    """The latest attempt's samples, steady-state steps (≥ 3) when there are any."""
+    if not samples:
+        return []
+    attempt = max(s.attempt for s in samples)
+    latest = [s for s in samples if s.attempt == attempt]
+    return [s for s in latest if s.step >= STEADY_STATE_STEP] or latest
+
+
+def measured_peaks(samples: Iterable[Any]) -> dict[int, dict[str, int | None]]:
+    """Per rank, the highest measured bytes of each category over the steady-state steps."""
+    out: dict[int, dict[str, int | None]] = {}
+    for s in _steady(list(samples)):
+        row = out.setdefault(s.rank, {c: None for c in COMPARED})
+        for c, v in _measured(s).items():
+            if v is not None and (row[c] is None or v > row[c]):
+                row[c] = v
+    return out
+
+
+def signed_error(predicted: int | None, measured: int | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def job_memory_view(job, samples: list[Any]) -> dict[str, Any]:
+    """``GET /v1/fine_tuning/jobs/{id}/memory``: the plan, the samples per rank over steps, the peak per
+    category per rank and each predicted category's signed error."""
+    predicted = predicted_categories(job.plan)
+    peaks = measured_peaks(samples)
+    attempt = max((s.attempt for s in samples), default=job.attempt)
+    by_rank: dict[str, list[dict[str, Any]]] = {}
+    for s in sorted(samples, key=lambda s: (s.attempt, s.rank, s.step, s.phase)):
+        if s.attempt != attempt:
+            continue
+        by_rank.setdefault(str(s.rank), []).append({
+            "step": s.step, "phase": s.phase, "source": s.source,
+            **{f"{c}_bytes": v for c, v in _measured(s).items() if c != "total"},
+            "peak_bytes": s.peak_bytes,
+            "host_parameters_bytes": s.host_parameters_bytes, "host_gradients_bytes": s.host_gradients_bytes,
+            "host_optimizer_bytes": s.host_optimizer_bytes, "process_rss_bytes": s.process_rss_bytes,
+            "device": s.device or None,
+        })
+    errors = {str(r): {c: signed_error((predicted or {}).get(c), m[c]) for c in COMPARED} for r, m in peaks.items()}
+    rows = {str(r): [{"category": c, "predicted_bytes": (predicted or {}).get(c), "measured_bytes": m[c],
+                      "error": errors[str(r)][c]} for c in COMPARED] for r, m in sorted(peaks.items())}
+    return {
+        "object": "fine_tuning.job.memory",
+        "job_id": job.id,
+        "status": job.status,
+        "attempt": attempt,
+        "has_plan": predicted is not None,
+        "plan": job.plan,
+        "predicted": predicted,
+        "steady_state_from_step": STEADY_STATE_STEP,
+        "samples": by_rank,
+        "measured_peaks": {str(r): m for r, m in sorted(peaks.items())},
+        "errors": errors,
+        "per_rank": rows,
+        "summary": job.memory_summary or initial_summary(job.plan),
+        "error_definition": "(predicted - measured) / measured; negative = under-predicted",
+    }
+
+
+def get_job_memory(session, principal, job_id: str) -> dict[str, Any]:
+    """The tenant's job's memory view (JobNotFound for another tenant's id)."""
+    from service.jobs import get_job, list_memory_samples
+
+    job = get_job(session, principal, job_id)
+    return job_memory_view(job, list_memory_samples(session, job_id))
+
+
+def initial_summary(plan: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The short ``memory`` object on a job before anything is measured."""
+    if plan is None:
+        return None
+    predicted = predicted_categories(plan)
+    return {
+        "fits": plan["fits"],
+        "gpu": plan.get("gpu"),
+        "predicted_peak_bytes": plan["peak_bytes"],
+        "predicted_live_peak_bytes": predicted["total"] if predicted else None,
+        "capacity_bytes": plan.get("capacity_bytes"),
+        "usable_bytes": plan.get("usable_bytes"),
+        "measured_peak_bytes": None,
+        "measured_rank": None,
+        "measured_step": None,
+        "measured_attempt": None,
+        "error": None,
+    }
+
+
+def summary_fields(job, records: Iterable[Any]) -> dict[str, Any]:
+    """``{"memory_summary": …}`` updated with newly ingested samples (steady-state peaks win over
+    earlier steps; a newer attempt starts over), or ``{}`` when nothing changes. For ingest."""
+    current = dict(job.memory_summary or initial_summary(job.plan) or {
+        "fits": None, "gpu": None, "predicted_peak_bytes": None, "predicted_live_peak_bytes": None,
+        "capacity_bytes": None, "usable_bytes": None, "measured_peak_bytes": None, "measured_rank": None,
+        "measured_step": None, "measured_attempt": None, "error": None})
+    changed = False
+
+    def key(attempt, step, peak):  # later attempt, then steady state, then the higher peak
+        return (attempt, step >= STEADY_STATE_STEP, peak)
+
+    for r in records:
+        if r.peak_bytes is None:
+            continue
+        new = key(r.attempt, r.step, r.peak_bytes)
+        if current.get("measured_peak_bytes") is not None:
+            old = key(current["measured_attempt"], current["measured_step"], current["measured_peak_bytes"])
+            if new <= old:
+                continue
+        current.update(measured_peak_bytes=int(r.peak_bytes), measured_rank=r.rank, measured_step=r.step,
+                       measured_attempt=r.attempt)
+        changed = True
+    if not changed:
+        return {}
+    current["error"] = signed_error(current.get("predicted_live_peak_bytes"), current["measured_peak_bytes"])
+    return {"memory_summary": current}
+
+
+# --- out of memory ------------------------------------------------------------------------------
+
+
+def oom_error(job, error: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """Complete a worker's out_of_memory error: the dominant category, the breakdown at failure, the
+    prediction, and the planner's suggestions (the job's own when its plan had them, else the single
+    changes that lower the predicted peak the most)."""
+    details = dict(error.get("details") or {})
+    details.pop("plan", None)  # the job's plan is on the job (and in GET …/memory); keep the error short
+    if job.plan is not None:
+        details["predicted"] = {"per_rank": job.plan.get("per_rank"), "peak_bytes": job.plan.get("peak_bytes"),
+                                "fits": job.plan.get("fits"), "capacity_bytes": job.plan.get("capacity_bytes")}
+    suggestions = list((job.plan or {}).get("suggestions") or [])
+    if not suggestions:
+        try:
+            suggestions = _reductions(JobSpec.model_validate(job.spec), settings)
+        except Exception:  # noqa: BLE001 - a post-mortem without suggestions beats a lost failure
+            suggestions = []
+    details["suggestions"] = suggestions
+    cats = details.get("categories_bytes") or {}
+    dominant = details.get("dominant_category") or (max(cats, key=lambda k: cats[k]) if cats else None)
+    details["dominant_category"] = dominant
+    message = error.get("message") or "out of memory"
+    if dominant and cats.get(dominant) is not None:
+        message = (f"{message} — largest category: {dominant} ({_gib(cats[dominant])}); "
+                   f"{len(suggestions)} suggested change(s) in error.details.suggestions")
+    return {**error, "message": message[:8000], "details": details}
+
+
+def _reductions(spec: JobSpec, settings: Settings) -> list[dict[str, Any]]:
+    """Single changes ranked by how much they lower the predicted peak (cheapest first among equals)."""
+    from service import planner
+
+    resolved = resolve_shape(spec, settings)
+    gpu = _gpu_for(spec, None)
+    margin = settings.memory_safety_margin
+    base = planner.plan(spec, resolved.shape, gpu, safety_margin=margin)
+    out = []
+    for name, desc, cost, patch in planner._candidates(spec, gpu):  # noqa: SLF001 - the planner's change list
+        try:
+            s2 = planner._patched(spec, patch)  # noqa: SLF001
+            if check_rules(s2):
+                continue
+            p = planner.plan(s2, resolved.shape, gpu, safety_margin=margin)
+        except Exception:  # noqa: BLE001 - a change the spec rules refuse is not offered
+            continue
+        if p.peak_bytes < base.peak_bytes:
+            out.append(planner.Suggestion(name, desc, cost, p, s2))
+    out.sort(key=lambda x: (x.plan.peak_bytes, x.cost))
+    return [_suggestion_dict(i + 1, spec, x) for i, x in enumerate(out[:MAX_SUGGESTIONS])]
