@@ -324,8 +324,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     grads_full = Pt * 4
     opt = Pt * 8
     master = 0
-    gathered = 0  # params materialised during compute beyond the resident shards
-    gathered_root = 0
+    gathered = 0  # params materialised at the loss (forward's end, backward's start) beyond the shards
+    gathered_layer = 0  # params materialised while one block runs (its forward, recompute or backward)
     comm = 0  # communication buckets
     opt_temp_unit = max(_largest_trainable(shape, targets, t.peft.r), 1) * 4
 
@@ -344,8 +344,14 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         unit_bytes = 4 if regime.name == "fp32" else 2
         layer_unsharded = shape.layer_params() * unit_bytes
         root = (shape.parameter_count() - shape.num_layers * shape.layer_params()) * unit_bytes
-        gathered_root = root  # the root unit stays gathered from forward to backward
-        gathered = layer_unsharded * (2 if t.fsdp.reshard_after_forward else shape.num_layers)
+        if t.fsdp.reshard_after_forward:
+            # Every unit, the root included, reshards when its forward ends and re-gathers only when
+            # backward reaches it: at the loss no unsharded parameter is live (measured).
+            gathered = 0
+            gathered_layer = 2 * layer_unsharded  # the running block and the prefetched next one
+        else:
+            gathered = shape.num_layers * layer_unsharded + root
+            gathered_layer = gathered
         comm = (shape.layer_params() * 4) if full else 0  # one unit's fp32 reduce-scatter input
         if t.fsdp.cpu_offload:
             host.parameters, dev.parameters = dev.parameters, 0
@@ -376,6 +382,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                                    "parameters stay live through forward and backward")
             else:
                 gathered = (2 * shape.largest_layer_params() + prefetch) * p_bytes
+            gathered_layer = gathered
         if ds.offload_optimizer == "cpu":
             host.optimizer_states, dev.optimizer_states = dev.optimizer_states, 0
             host.gradients, dev.gradients = dev.gradients, 0
@@ -407,13 +414,13 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     # (gradients live, activations live, temporaries) at each candidate instant
     cands: dict[str, tuple[int, int, int]] = {
         "forward": (g_fwd, A,
-                    gathered + gathered_root + act.logits_bytes + act.loss_copy_bytes),
-        "backward": (g_fwd, A, gathered + gathered_root + act.loss_grad_bytes),
+                    gathered + act.logits_bytes + act.loss_copy_bytes),
+        "backward": (g_fwd, A, gathered + act.loss_grad_bytes),
     }
     if t.gradient_checkpointing:
         cands["backward_recompute"] = (g_all, A - act.loss_saved_bytes + max(act.layer_bytes),
-                                       gathered + gathered_root + act.layer_backward_temp_bytes)
-    cands["backward_end"] = (g_all, 0, gathered + comm + opt_temp_unit // 4)
+                                       gathered_layer + act.layer_backward_temp_bytes)
+    cands["backward_end"] = (g_all, 0, gathered_layer + comm + opt_temp_unit // 4)
     cands["optimizer"] = (g_all, 0, 0 if (offloaded_step and on_gpu) else step_temp)
     phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
     peak_phase = max(phases, key=lambda k: phases[k])

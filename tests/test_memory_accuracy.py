@@ -1,0 +1,50 @@
+"""A slice of bench/memory_accuracy.py's matrix: the planner's per-rank peak is within 5% of what
+telemetry measures on real training steps, and parameters/gradients/optimizer states within 1%.
+(The full matrix and its table: `.venv/bin/python bench/memory_accuracy.py`.)"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from bench.memory_accuracy import Case, measure, measured_categories, predict, predicted_categories, run_rank  # noqa: E402
+
+SLICE_IN_PROCESS = [
+    Case("small-llama", 128, "none", "fp32", False, "ddp1"),
+    Case("small-qwen2", 128, "lora", "bf16", True, "ddp1"),
+]
+SLICE_TWO_RANKS = [Case("small-llama", 128, "none", "bf16", False, "fsdp2")]
+
+
+@pytest.fixture(scope="module")
+def model_dirs():
+    from workers.models import build_preset
+
+    return {f: str(build_preset(f"preset:{f}")) for f in ("small-llama", "small-qwen2")}
+
+
+def check(case: Case, ranks: list[dict]) -> None:
+    pred = predicted_categories(predict(case))
+    for rk in ranks:
+        meas = measured_categories(rk)
+        err = (pred["total"] - meas["total"]) / meas["total"]
+        assert abs(err) <= 0.05, f"{case.name} rank {rk['rank']}: predicted {pred['total']} measured {meas['total']} ({err:+.2%})"
+        for c in ("parameters", "gradients", "optimizer_states"):
+            assert abs(pred[c] - meas[c]) <= 0.01 * max(meas[c], 1) + 4096, (case.name, c, pred[c], meas[c])
+
+
+@pytest.mark.parametrize("case", SLICE_IN_PROCESS, ids=lambda c: c.name.replace(" ", "_"))
+def test_single_worker_peak_within_5_percent(case, model_dirs, tmp_path):
+    records = run_rank(0, case, 0, model_dirs[case.family], {"dir": str(tmp_path)})
+    steps = [r for r in records if r["phase"] == "step" and r.get("peak_bytes")]
+    assert steps and steps[0]["step"] == 3
+    check(case, [{**steps[0], "phase_peaks": {}}])
+
+
+@pytest.mark.parametrize("case", SLICE_TWO_RANKS, ids=lambda c: c.name.replace(" ", "_"))
+def test_two_rank_peak_within_5_percent(case, model_dirs):
+    res = measure(case, model_dirs[case.family], timeout_s=240)
+    assert len(res["ranks"]) == 2
+    check(case, res["ranks"])
