@@ -278,10 +278,12 @@ def measured_categories(rank: dict) -> dict[str, int]:
 
 
 def predicted_categories(p: dict) -> dict[str, int]:
-    d, h = p["per_rank"]["device"], p["per_rank"]["host"]
-    out = {c: d[c] + h[c] for c in CATS}
-    out["temporary"] += d["overhead"] + h["overhead"]
-    out["total"] = d["total"] + h["total"]
+    """Model states at their full size (what telemetry counts), activations/temporaries at the peak."""
+    d, h, st = p["per_rank"]["device"], p["per_rank"]["host"], p["model_states"]
+    out = {c: st["device"][c] + st["host"][c] for c in ("parameters", "gradients", "optimizer_states")}
+    out["activations"] = d["activations"] + h["activations"]
+    out["total"] = p["peak_bytes"]
+    out["temporary"] = out["total"] - sum(out[c] for c in ("parameters", "gradients", "optimizer_states", "activations"))
     return out
 
 
@@ -404,13 +406,59 @@ def run(cases: list[Case], *, load: str | None = None, save: str | None = None, 
     return results
 
 
+def overhead(steps: int = 40, case: Case | None = None, out=sys.stdout) -> dict:
+    """Step time with telemetry at the default cadence (sample every step, trace every 10th) against
+    none, same process, alternating blocks of steps so that machine load hits both alike."""
+    import torch
+
+    from workers import steps as W
+    from workers.models import build_preset
+    from workers.strategies import build_model
+    from workers.telemetry import StepTelemetry
+
+    case = case or Case("small-llama", 128, "none", "fp32", False, "ddp1")
+    args = _train_args(case, "/tmp")
+    model = build_model(args, str(build_preset(f"preset:{case.family}")))
+    opt = W.make_optimizer(model, 1e-4, 0.0)
+    sched = W.warmup_cosine(opt, 0, 10**6)
+    tel = StepTelemetry(rank=0, device="cpu", model=model, optimizer=opt, every_steps=1, trace_every_steps=10)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    step = 0
+    for block in range(steps // 10):
+        for mode in ("off", "on") if block % 2 == 0 else ("on", "off"):
+            for _ in range(10):
+                step += 1
+                t0 = time.perf_counter()
+                use = tel if mode == "on" else None
+                if use:
+                    use.begin_step(step)
+                W.accumulate_gradients(model, _batches(case, model.config.vocab_size, step, 0),
+                                       device=torch.device("cpu"), world_size=1, tel=use)
+                W.clip_and_step(model, opt, sched, 1.0)
+                if use:
+                    use.mark("optimizer")
+                    use.end_step(step)
+                times[mode].append(time.perf_counter() - t0)
+    off, on = statistics.median(times["off"]), statistics.mean(times["on"])
+    off_mean = statistics.mean(times["off"])
+    res = {"step_s_without": off_mean, "step_s_with": on, "overhead_pct": 100 * (on - off_mean) / off_mean,
+           "median_step_s_without": off}
+    out.write(f"telemetry overhead at the default cadence ({case.name}, {steps} steps each): "
+              f"{off_mean * 1e3:.1f} ms → {on * 1e3:.1f} ms per step, {res['overhead_pct']:+.1f}%\n")
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a 6-config slice instead of the full 160-config matrix")
     ap.add_argument("--save", help="write the measurements to this JSON file (appended as they finish)")
     ap.add_argument("--load", help="reuse measurements from this JSON file; measure only what is missing")
     ap.add_argument("--filter", help="only configs whose name contains this text")
+    ap.add_argument("--overhead", action="store_true", help="measure telemetry's step-time overhead instead")
     a = ap.parse_args(argv)
+    if a.overhead:
+        overhead()
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cases = matrix(a.quick)
