@@ -193,6 +193,12 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
                 raise UnprocessableEntity(f"file {file_id} is not a processed fine-tune file", param=param)
     if spec.seed is None:
         spec = spec.model_copy(update={"seed": secrets.randbelow(2**31)})
+    # Memory pre-flight (issue 5, service/memory.py): memory_policy=reject raises DoesNotFit (422
+    # insufficient_memory), auto returns the spec with the cheapest fitting change, ignore the spec as given.
+    from service import memory
+
+    preflight = memory.preflight(spec, settings)
+    spec = preflight.spec
     job = Job(
         id=new_id("ftjob-"),
         tenant_id=principal.tenant_id,
@@ -210,6 +216,7 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
     session.add(job)
     session.flush()
     add_event(session, job.id, f"Validating training file: {spec.training_file}", attempt=0, created_at=job.created_at)
+    memory.record_preflight(session, job, preflight)  # jobs.plan, the memory summary, the pre-flight's event
     return job
 
 
