@@ -267,21 +267,15 @@ def resolve_model(spec: JobSpec, settings: Settings) -> str | None:
 
 def memory_preflight(spec: JobSpec, settings: Settings, model_path: str | None) -> dict | None:
     """THE MEMORY PRE-FLIGHT HOOK (issue "Memory"). Returns the plan to store on the job, or raises
-    ValidationFailed(code="does_not_fit", …) for a job that would not fit under memory_policy=reject.
+    ValidationFailed(code="insufficient_memory", …) for a job that would not fit under memory_policy=reject.
 
-    It calls ``service.planner.preflight(spec, settings=…, model_path=…)`` when the planner module
-    exists; the planner may return a plan dict, a pydantic model, or raise an exception with an
-    ``error`` dict (or a DomainError) to refuse the job.
+    It calls ``service.memory.preflight`` — the same function job creation calls, so the two agree —
+    now with the model directory resolved; a refusal (DoesNotFit) carries an ``error`` dict.
     """
+    from service import memory  # the pre-flight (policy included) is service.memory.preflight
+
     try:
-        from service import planner  # noqa: F401
-    except ImportError:
-        return None
-    fn = getattr(planner, "preflight", None)
-    if fn is None:
-        return None
-    try:
-        plan = fn(spec, settings=settings, model_path=model_path)
+        plan = memory.preflight(spec, settings, model_path=model_path).plan
     except ValidationFailed:
         raise
     except Exception as exc:  # noqa: BLE001 - the planner's refusal, whatever its class
