@@ -31,6 +31,8 @@ from sqlalchemy.orm import Session
 from service import metrics
 from service.errors import Conflict, DomainError, JobNotFound, StaleAttempt
 from service.jobs import add_checkpoint, add_events, add_memory_samples
+from service.memory import oom_error
+from service.memory import summary_fields as memory_summary_fields
 from service.models import File, Job, JobEvent, new_id
 from service.records import (
     CheckpointRecord,
@@ -142,6 +144,8 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
         dup += len(memory) - stored
 
     fields: dict[str, Any] = {}
+    if memory:
+        fields.update(memory_summary_fields(job, memory))  # the job's short predicted-vs-measured summary
     if trained_tokens != job.trained_tokens:
         fields["trained_tokens"] = trained_tokens
     if latest is not None and latest.total_steps:
@@ -165,6 +169,8 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
     elif isinstance(ending, FailureRecord):
         error = {"code": ending.code, "message": ending.message, "param": None, "rank": ending.rank,
                  "step": ending.step, "phase": ending.phase, "details": ending.details}
+        if ending.code == "out_of_memory":  # + dominant category and the planner's suggestions
+            error = oom_error(job, error, settings)
         transition(session, job.id, JobStatus.failed, expected_attempt=attempt, error=error,
                    lease_owner=None, estimated_finish=None,
                    **{k: v for k, v in fields.items() if k != "estimated_finish"},
