@@ -194,6 +194,7 @@ def memory_report(http: httpx.Client, job_id: str) -> dict:
 @jobs_app.command("memory")
 def jobs_memory(job_id: str, api_url: str = ApiUrl, api_key: str = ApiKey, as_json: bool = Json) -> None:
     """Predicted vs measured memory per rank and category, with the error."""
+    from service.dashboard import COMPARED_LABELS
     with client(api_url, api_key) as http:
         try:
             report = memory_report(http, job_id)
@@ -211,7 +212,7 @@ def jobs_memory(job_id: str, api_url: str = ApiUrl, api_key: str = ApiKey, as_js
         table = Table("category", "predicted", "measured", "error", title=f"rank {rank}", title_justify="left")
         for row in rows:
             e = row.get("error")
-            table.add_row(row.get("label") or row["category"], mib(row.get("predicted_bytes")),
+            table.add_row(row.get("label") or COMPARED_LABELS.get(row["category"], row["category"]), mib(row.get("predicted_bytes")),
                           mib(row.get("measured_bytes")), "-" if e is None else f"{e * 100:+.1f}%")
         console.print(table)
     if report.get("capacity_bytes"):

@@ -13,6 +13,7 @@ buffers). ``other`` in the charts is ``temporary_bytes + other_bytes`` of a samp
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,7 +29,7 @@ from service.settings import Settings
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "other")
 CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states",
-                   "activations": "activations", "other": "other / temporary"}
+                   "activations": "activations", "other": "temporary / other"}
 # Planner keys that name each category (issue "Memory": parameters, gradients, optimizer_states,
 # activations, temporary, overhead, total).
 PLAN_KEYS = {"parameters": ("parameters", "parameters_bytes"),
@@ -127,6 +128,34 @@ def plan_suggestions(plan: dict | None) -> list[dict]:
     return []
 
 
+_PLANS: dict[str, dict | None] = {}
+
+
+def _plan_now(spec_json: str, settings: Settings) -> dict | None:
+    if spec_json in _PLANS:
+        return _PLANS[spec_json]
+    try:
+        from service.memory import plan_for_spec
+        from service.spec import JobSpec
+
+        plan = plan_for_spec(JobSpec.model_validate_json(spec_json), settings)
+    except Exception:  # noqa: BLE001 - no planner, or a model whose shape it cannot read: no prediction
+        plan = None
+    if len(_PLANS) > 256:
+        _PLANS.clear()
+    _PLANS[spec_json] = plan
+    return plan
+
+
+def plan_of(job: Job, settings: Settings) -> tuple[dict | None, str | None]:
+    """(the plan, where it came from): the one stored at validation, else the planner run now on the
+    job's spec (pure arithmetic, cached per spec), else (None, None)."""
+    if job.plan is not None:
+        return job.plan, "stored"
+    plan = _plan_now(json.dumps(job.spec, sort_keys=True), settings)
+    return (plan, "computed") if plan is not None else (None, None)
+
+
 def capacity_for(job: Job, spec_training: dict) -> tuple[int | None, str | None]:
     """What a rank's memory is compared with: the GPU's capacity (plan, then spec.gpu_type), or a CPU
     worker's host memory budget; (None, None) for a CPU worker without one."""
@@ -171,34 +200,25 @@ def memory_samples_after(session: Session, job_id: str, after_id: int = 0, limit
     return [sample_point(s) for s in session.scalars(q)]
 
 
-def measured_peaks(samples: list[dict]) -> dict[int, dict[str, int | None]]:
-    """Per rank, the highest measured bytes of each category and of the step peak, over the latest
-    attempt's steady-state steps (step ≥ 3 when there are any, as the planner predicts steady state)."""
-    if not samples:
-        return {}
-    attempt = max(s["attempt"] for s in samples)
-    latest = [s for s in samples if s["attempt"] == attempt]
-    steady = [s for s in latest if s["step"] >= 3] or latest
-    out: dict[int, dict[str, int | None]] = {}
-    for s in steady:
-        r = out.setdefault(s["rank"], {c: None for c in (*CATEGORIES, "peak")})
-        for c in (*CATEGORIES, "peak"):
-            v = s.get(c)
-            if v is not None and (r[c] is None or v > r[c]):
-                r[c] = v
-    return out
+COMPARED_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states",
+                   "activations": "activations", "temporary": "temporary / other", "total": "total (step peak)"}
 
 
-def compare(predicted: dict[str, int] | None, measured: dict[str, int | None]) -> list[dict[str, Any]]:
-    """Rows category/predicted/measured/error (signed, (predicted − measured) / measured)."""
-    rows = []
-    for c in (*CATEGORIES, "total"):
-        p = (predicted or {}).get(c)
-        m = measured.get("peak" if c == "total" else c)
-        err = (p - m) / m if p is not None and m else None
-        rows.append({"category": c, "label": CATEGORY_LABELS.get(c, "total (step peak)" if c == "total" else c),
-                     "predicted_bytes": p, "measured_bytes": m, "error": err})
-    return rows
+def compare_job(session: Session, job: Job, plan: dict | None) -> dict[str, Any]:
+    """Predicted vs measured per rank and category, with the signed error: service.memory's view (the
+    same numbers as GET /v1/fine_tuning/jobs/{id}/memory), for ``plan`` when the job stored none."""
+    from types import SimpleNamespace
+
+    from service.jobs import list_memory_samples
+    from service.memory import job_memory_view
+
+    view_job = job if plan is job.plan else SimpleNamespace(
+        id=job.id, status=job.status, attempt=job.attempt, plan=plan, memory_summary=job.memory_summary)
+    view = job_memory_view(view_job, list_memory_samples(session, job.id))
+    per_rank = {r: [{**row, "label": COMPARED_LABELS.get(row["category"], row["category"])} for row in rows]
+                for r, rows in view["per_rank"].items()}
+    return {"has_plan": view["has_plan"], "predicted": view["predicted"], "per_rank": per_rank,
+            "steady_state_from_step": view["steady_state_from_step"], "error_definition": view["error_definition"]}
 
 
 # --- files --------------------------------------------------------------------------------------
@@ -269,8 +289,8 @@ def job_view(session: Session, principal: Principal, settings: Settings, job_id:
     steps = sorted(metrics)
     samples = memory_samples_after(session, job_id)
     capacity, capacity_label = capacity_for(job, training)
-    predicted = plan_breakdown(job.plan)
-    measured = measured_peaks(samples)
+    plan, plan_source = plan_of(job, settings)
+    comparison = compare_job(session, job, plan)
     ranks = sorted({s["rank"] for s in samples})
     checkpoints = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
     last = metrics[steps[-1]] if steps else {}
@@ -302,13 +322,9 @@ def job_view(session: Session, principal: Principal, settings: Settings, job_id:
             "samples": samples,
             "last_sample_id": samples[-1]["id"] if samples else 0,
         },
-        "comparison": {
-            "has_plan": predicted is not None,
-            "predicted": predicted,
-            "per_rank": {str(r): compare(predicted, measured[r]) for r in ranks if r in measured},
-        },
-        "suggestions": plan_suggestions(job.plan),
-        "plan": job.plan,
+        "comparison": {**comparison, "plan_source": plan_source if comparison["has_plan"] else None},
+        "suggestions": plan_suggestions(plan),
+        "plan": plan,
         "events": [{"id": e.id, "created_at": e.created_at.timestamp(), "level": e.level, "type": e.type,
                     "message": e.message} for e in events[-300:]],
         "last_event_id": events[-1].id if events else 0,

@@ -7,7 +7,6 @@ only turns form fields into the spec the planner takes and its answer into rows.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from service.dashboard import CATEGORIES, CATEGORY_LABELS, plan_breakdown, plan_capacity, plan_suggestions
@@ -48,47 +47,25 @@ def form_to_body(form: dict[str, str]) -> dict[str, Any]:
     return {"model": f["model"].strip(), "training_file": "file-planner", "training": training}
 
 
-def plan_body(body: dict[str, Any], gpu: str | None = None) -> dict[str, Any]:
-    """The planner's JSON answer for a create body (``training_file`` optional). Raises
-    PlannerUnavailable when service/planner.py is missing, SpecError for a bad body."""
+def plan_body(body: dict[str, Any], gpu: str | None = None, settings=None) -> dict[str, Any]:
+    """The planner's JSON answer for a create body (``training_file`` optional): service.memory's
+    plan_for_spec, the same as ``POST /v1/memory/plan``. Raises PlannerUnavailable when the planner is
+    not part of this build, SpecError for a bad body, ValueError for an unknown GPU or model shape."""
     try:
-        from service import planner
+        from service.memory import plan_for_spec
     except ImportError as exc:
-        raise PlannerUnavailable("the memory planner (service/planner.py) is not part of this build") from exc
+        raise PlannerUnavailable("the memory planner (service/memory.py, service/planner.py) is not part of this build") from exc
     from service.settings import get_settings
     from service.spec import validate_spec
 
-    body = {"training_file": "file-planner", **body}
-    spec = validate_spec(body, None)
-    for name in ("plan_for_spec", "preflight"):
-        fn = getattr(planner, name, None)
-        if fn is None or not callable(fn):
-            continue
-        params = inspect.signature(fn).parameters
-        kwargs: dict[str, Any] = {}
-        if "gpu" in params:
-            kwargs["gpu"] = gpu or (spec.training.resources.gpu_type if spec.training.resources.gpus_per_worker else None)
-        if "settings" in params:
-            kwargs["settings"] = get_settings()
-        if "model_path" in params:
-            kwargs["model_path"] = None
-        try:
-            result = fn(spec, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - a refusal ("does not fit") carries the plan
-            error = getattr(exc, "error", None) or {}
-            details = error.get("details") if isinstance(error, dict) else None
-            plan = (details or {}).get("plan") if isinstance(details, dict) else None
-            plan = plan or getattr(exc, "plan", None)
-            if plan is None:
-                raise
-            result = plan
-        if hasattr(result, "model_dump"):
-            result = result.model_dump(mode="json")
-        return result
-    raise PlannerUnavailable("service/planner.py has no plan function this page knows")
+    spec = validate_spec({"training_file": "file-plan-only", **body}, None)
+    try:
+        return plan_for_spec(spec, settings or get_settings(), gpu or None)
+    except KeyError as exc:  # UnknownGPU
+        raise ValueError(str(exc)) from None
 
 
-def evaluate(form: dict[str, str] | None, *, known_gpus: set[str] | None = None) -> dict[str, Any]:
+def evaluate(form: dict[str, str] | None, *, known_gpus: set[str] | None = None, settings=None) -> dict[str, Any]:
     """Template context: the form (defaults filled), and for a submitted form the plan rows or errors."""
     values = {**DEFAULTS, **(form or {})}
     ctx: dict[str, Any] = {
@@ -100,7 +77,7 @@ def evaluate(form: dict[str, str] | None, *, known_gpus: set[str] | None = None)
         return ctx
     try:
         body = form_to_body(values)
-        plan = plan_body(body, values.get("gpu") or None)
+        plan = plan_body(body, values.get("gpu") or None, settings)
     except PlannerUnavailable as exc:
         ctx["unavailable"] = str(exc)
         return ctx

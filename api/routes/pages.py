@@ -207,7 +207,7 @@ async def planner_submit(request: Request, session: ReadSessionDep):
 def _planner(request: Request, form: dict[str, str] | None):
     from service import plan_page
 
-    ctx = plan_page.evaluate(form, known_gpus=request.app.state.known_gpus)
+    ctx = plan_page.evaluate(form, known_gpus=request.app.state.known_gpus, settings=request.app.state.settings)
     return templates.TemplateResponse(request, "planner.html", {**ctx, "page_data": ctx.get("result")},
                                       status_code=200 if not ctx.get("errors") else 422)
 

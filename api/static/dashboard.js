@@ -71,24 +71,26 @@
       box.appendChild(canvas);
       document.getElementById("memory-charts").appendChild(box);
     }
-    var datasets = mem.categories.map(function (c, k) {
-      return { label: mem.labels[c], category: c, data: [], stack: "measured", fill: k === 0 ? "origin" : "-1",
-               borderColor: COLORS[c], backgroundColor: COLORS[c] + "aa", pointRadius: 2, borderWidth: 1,
-               spanGaps: true };
+    // One stacked bar per sampled step: the counters (parameters, gradients, optimizer states) are
+    // there every step, activations and temporaries on the steps the profiler traced.
+    var datasets = mem.categories.map(function (c) {
+      return { type: "bar", label: mem.labels[c], category: c, data: [], stack: "measured",
+               borderColor: COLORS[c], backgroundColor: COLORS[c] + "cc", borderWidth: 0,
+               categoryPercentage: 0.9, barPercentage: 1.0 };
     });
     if (mem.capacity_bytes) {
-      datasets.push({ label: mem.capacity_label, category: "capacity", data: [], stack: "capacity", fill: false,
-                      borderColor: "#222", borderDash: [6, 4], pointRadius: 0, borderWidth: 2 });
+      datasets.push({ type: "line", label: mem.capacity_label, category: "capacity", data: [], stack: "capacity",
+                      fill: false, borderColor: "#222", borderDash: [6, 4], pointRadius: 0, borderWidth: 2 });
     }
     var chart = new Chart(canvas, {
-      type: "line",
+      type: "bar",
       data: { labels: [], datasets: datasets },
       options: {
         responsive: true,
         interaction: { mode: "index", intersect: false },
         plugins: { tooltip: { callbacks: { label: function (c) { return c.dataset.label + ": " + fmtBytes(c.parsed.y); } } } },
         scales: {
-          x: { title: { display: true, text: "step" } },
+          x: { stacked: true, title: { display: true, text: "step" } },
           y: { stacked: true, beginAtZero: true, ticks: { callback: function (v) { return fmtBytes(v); } } }
         }
       }
