@@ -225,7 +225,8 @@ def jobs_memory(job_id: str, api_url: str = ApiUrl, api_key: str = ApiKey, as_js
 
 
 def iter_sse(http: httpx.Client, job_id: str, last_event_id: int = 0) -> Iterator[tuple[str, int | None, dict]]:
-    """(event name, id, data) from the job's stream until ``end``; reconnects with Last-Event-ID."""
+    """(event name, id, data) from the job's stream until ``end``; reconnects with Last-Event-ID.
+    Heartbeat comments come out as ("comment", None, {})."""
     failures = 0
     while True:
         headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
@@ -251,7 +252,9 @@ def iter_sse(http: httpx.Client, job_id: str, last_event_id: int = 0) -> Iterato
                             if name == "end":
                                 return
                         fields = {}
-                    elif not line.startswith(":"):
+                    elif line.startswith(":"):
+                        yield "comment", None, {}  # a heartbeat: lets a caller check its deadline
+                    else:
                         key, _, value = line.partition(":")
                         value = value[1:] if value.startswith(" ") else value
                         fields[key] = fields[key] + "\n" + value if key == "data" and key in fields else value
@@ -263,12 +266,18 @@ def iter_sse(http: httpx.Client, job_id: str, last_event_id: int = 0) -> Iterato
             time.sleep(min(5.0, 0.5 * failures))
 
 
-def follow_stream(http: httpx.Client, job_id: str, console: Console, *, as_json: bool = False) -> dict:
-    """Follow a job to its end from the SSE stream; returns the final job object."""
+def follow_stream(http: httpx.Client, job_id: str, console: Console, *, as_json: bool = False,
+                  timeout_s: float | None = None) -> dict:
+    """Follow a job to its end from the SSE stream; returns the final job object. With ``timeout_s``
+    the job is cancelled once that many seconds have passed (checked at each event and heartbeat).
+    `memfit jobs follow` and `memfit run` both use it."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    deadline = time.monotonic() + timeout_s if timeout_s else None
     if as_json:
         for name, _, data in iter_sse(http, job_id):
+            if name == "comment":
+                continue
             sys.stdout.write(json.dumps({"event": name, **({"data": data} if name == "end" else data)}) + "\n")
             sys.stdout.flush()
         return call(http, "GET", f"/v1/fine_tuning/jobs/{job_id}")
@@ -298,6 +307,12 @@ def follow_stream(http: httpx.Client, job_id: str, console: Console, *, as_json:
     with progress:
         task = progress.add_task("job", total=None, status=job["status"], steps="-", loss="-", tps="-", mem="-", eta="-")
         for name, _, e in iter_sse(http, job_id):
+            if deadline is not None and time.monotonic() > deadline:
+                progress.console.print(f"[red]timed out after {timeout_s:.0f} s: cancelling[/red]")
+                http.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+                break
+            if name == "comment":
+                continue
             if name == "end":
                 progress.update(task, status=e.get("status"))
                 break

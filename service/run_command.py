@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -51,10 +50,6 @@ def load_job_file(path: Path) -> tuple[dict[str, Any], dict[str, Path]]:
     if "training_file" not in files:
         raise BadJobFile(f"{path}: training_file: required (a JSONL path relative to the YAML file)")
     return body, files
-
-
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
 
 def run_file(path: Path, *, console: Console | None = None, timeout_s: float = 3600.0) -> int:
@@ -113,62 +108,11 @@ def run_file(path: Path, *, console: Console | None = None, timeout_s: float = 3
 
 
 def follow(http: httpx.Client, service, job_id: str, console: Console, timeout_s: float) -> dict:
-    """Poll the job and its events until terminal, with a live bar: step/total, loss, tokens/s, memory."""
-    from sqlalchemy import select
+    """Follow the job live until terminal (the SSE stream, the same progress bar as `memfit jobs
+    follow`: step/total, loss, tokens/s, peak memory per rank, ETA); cancel it after ``timeout_s``."""
+    from service.cli_client import follow_stream
 
-    from service.models import MemorySample
-
-    last_event = 0
-    deadline = time.monotonic() + timeout_s
-    progress = Progress(
-        TextColumn("[bold]{task.fields[status]:>9}"),
-        BarColumn(),
-        TextColumn("step {task.fields[steps]}"),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[tps]} tok/s"),
-        TextColumn("mem {task.fields[mem]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    )
-    with progress:
-        task = progress.add_task("job", total=None, status="queued", loss="-", tps="-", mem="-", steps="-")
-        while True:
-            job = http.get(f"/v1/fine_tuning/jobs/{job_id}").json()
-            page = http.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()
-            for e in sorted(page["data"], key=lambda e: int(e["id"].split("-")[-1])):
-                n = int(e["id"].split("-")[-1])
-                if n <= last_event:
-                    continue
-                last_event = n
-                d = e.get("data") or {}
-                if e["type"] == "metrics":
-                    if d.get("rank", 0) != 0:
-                        continue
-                    if d.get("total_steps"):
-                        progress.update(task, total=d["total_steps"])
-                    progress.update(task, completed=d.get("step", 0),
-                                    steps=f"{d.get('step', 0)}/{d.get('total_steps') or '?'}",
-                                    loss=f"{d['train_loss']:.4f}" if d.get("train_loss") is not None else "-",
-                                    tps=f"{d['tokens_per_s']:.0f}" if d.get("tokens_per_s") else "-")
-                else:
-                    style = {"warn": "yellow", "error": "red"}.get(e["level"], "dim")
-                    progress.console.print(f"[{style}]{e['message']}[/{style}]")
-            with service.app.state.sessions() as s:
-                sample = s.scalar(select(MemorySample).where(MemorySample.job_id == job_id, MemorySample.rank == 0)
-                                  .order_by(MemorySample.id.desc()).limit(1))
-            if sample is not None:
-                peak = sample.peak_bytes or sample.process_rss_bytes
-                progress.update(task, mem=_mib(peak))
-            progress.update(task, status=job["status"])
-            if job["status"] in TERMINAL:
-                if job["status"] == "succeeded" and progress.tasks[0].total:
-                    progress.update(task, completed=progress.tasks[0].total)
-                return job
-            if time.monotonic() > deadline:
-                progress.console.print(f"[red]timed out after {timeout_s:.0f} s: cancelling[/red]")
-                return http.post(f"/v1/fine_tuning/jobs/{job_id}/cancel").json()
-            time.sleep(0.5)
+    return follow_stream(http, job_id, console, timeout_s=timeout_s)
 
 
 def summary(http: httpx.Client, job: dict, console: Console, elapsed_s: float) -> None:

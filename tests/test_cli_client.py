@@ -4,6 +4,7 @@ are ingested."""
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
@@ -13,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from api.app import create_app
+from api.routes.stream import StreamHub
 from service.cli import app as cli
 from service.scheduler import RayJobs, Scheduler
 from tests.scheduler_support import LiveServer, create_job, migrated, new_key, settings_for, upload
@@ -25,6 +27,7 @@ def env(pg_url, tmp_path_factory):
     migrated(pg_url)
     settings = settings_for(pg_url, tmp_path_factory.mktemp("storage"))
     app = create_app(settings)
+    app.state.stream_hub = StreamHub(app.state.read_sessions, heartbeat_s=0.5)
     sched = Scheduler(app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))  # claims; never reaches Ray
     server = LiveServer(app).start()
     try:
@@ -176,3 +179,20 @@ def test_plan_prints_the_breakdown_or_says_why_not(tenant, tmp_path):
     assert plan["fits"] is True and plan["parameter_count"] > 0
     table = run(e, "plan", str(spec), "--gpu", "a100-40gb")
     assert "parameters" in table and "activations" in table and "total" in table and "fits" in table
+
+
+def test_follow_stream_cancels_a_job_past_its_deadline(env, tenant):
+    """`memfit run` follows its job with the same function and a timeout: past it, the job is cancelled."""
+    import httpx
+    from rich.console import Console
+
+    from service.cli_client import follow_stream
+
+    key, _ = tenant
+    server, _, _ = env
+    job_id, _ = running_job(env, key)
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
+        t0 = time.monotonic()
+        job = follow_stream(http, job_id, Console(file=io.StringIO()), timeout_s=1.0)
+        assert time.monotonic() - t0 < 30
+    assert job["status"] == "cancelled"
