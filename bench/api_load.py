@@ -125,11 +125,12 @@ def main() -> int:
         env = {**os.environ, "MEMFIT_DATABASE_URL": url, "MEMFIT_STORAGE_DIR": storage, "PYTHONPATH": str(ROOT)}
         server = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", "127.0.0.1",
-             "--port", str(port), "--workers", str(args.workers), "--log-level", "warning", "--no-access-log"],
+             "--port", str(port), "--workers", str(args.workers), "--log-level", "warning", "--no-access-log",
+             "--timeout-keep-alive", "75"],
             cwd=ROOT, env=env,
         )
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 30
+        deadline = time.time() + 120
         while True:
             try:
                 if httpx.get(base + "/readyz", timeout=1).status_code == 200:
