@@ -61,7 +61,7 @@ def background_scheduler(settings: Settings, *, ray_log: Path | None = None) -> 
         stop.set()
         thread.join(30)
         if head is not None:
-            head.stop()
+            head.stop(timeout_s=10)
 
 
 def with_api_url(settings: Settings, host: str, port: int) -> Settings:
@@ -92,7 +92,7 @@ def scheduler_main(settings: Settings) -> None:
         scheduler.run(stop)
     finally:
         if head is not None:
-            head.stop()
+            head.stop(timeout_s=10)
 
 
 # --- the embedded service ---------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class EmbeddedService:
             self._server_thread.join(15)
             self._server = None
         if self.head is not None:
-            self.head.stop()
+            self.head.stop(timeout_s=10)
             self.head = None
 
     def __enter__(self) -> "EmbeddedService":

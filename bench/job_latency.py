@@ -1,0 +1,163 @@
+"""What memfit adds around a training run: POST → first training step, last step → succeeded.
+
+On one warm local Ray head, the same tiny job is run alternately
+  (a) through memfit: POST /v1/fine_tuning/jobs over HTTP → scheduler (claim, validate, submit via
+      the Jobs API) → Ray job → metrics posted back → ``succeeded`` written by ingest;
+  (b) directly: the identical entrypoint (``python -m workers.run REQUEST.json``, same runtime_env,
+      same spec and files, metrics to JSON lines only) submitted with the Ray Jobs API, as
+      ``ray job submit`` does.
+Timestamps: a step's time is the one the Ray Train controller stamped on its record (same host
+clock); memfit's end is the job's ``finished_at``; the direct run's end is Ray's job ``end_time``.
+
+    .venv/bin/python bench/job_latency.py [--runs 3] [--steps 5]
+
+Prints medians and memfit's added seconds and ratio at the start and at the end (target: < 2 s each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from service.raycluster import LocalRayHead  # noqa: E402
+
+DATA = ROOT / "examples" / "data"
+
+
+def job_body(train_id: str, steps: int) -> dict:
+    return {
+        "model": "preset:tiny-llama",
+        "training_file": train_id,
+        "training": {
+            "strategy": "ddp",
+            "peft": {"method": "lora", "r": 8},
+            "hyperparameters": {"max_steps": steps, "micro_batch_size": 2, "max_seq_length": 48},
+            "resources": {"num_workers": 2},
+            "checkpoint_every_steps": steps,
+        },
+    }
+
+
+def run_memfit(http: httpx.Client, train_id: str, steps: int) -> tuple[float, float, str]:
+    t_post = time.time()
+    job = http.post("/v1/fine_tuning/jobs", json=job_body(train_id, steps)).json()
+    job_id = job["id"]
+    while job["status"] not in ("succeeded", "failed", "cancelled"):
+        time.sleep(0.2)
+        job = http.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+    if job["status"] != "succeeded":
+        raise RuntimeError(f"memfit job {job_id} ended {job['status']}: {job.get('error')}")
+    events = http.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+    times = sorted(e["data"]["time"] for e in events if e["type"] == "metrics" and e["data"].get("rank") == 0)
+    # finished_at is whole seconds in the public job; take the exact value from the success event.
+    done = next(e for e in events if e["message"] == "The job has successfully completed")
+    finished = _exact_finish(http, job_id) or float(done["created_at"])
+    return times[0] - t_post, finished - times[-1], job_id
+
+
+def _exact_finish(http: httpx.Client, job_id: str) -> float | None:
+    from sqlalchemy import select
+
+    from service.models import Job
+
+    sessions = http.app_sessions  # type: ignore[attr-defined]
+    with sessions() as s:
+        finished = s.scalar(select(Job.finished_at).where(Job.id == job_id))
+    return finished.timestamp() if finished else None
+
+
+def run_direct(ray, request: dict, work: Path, n: int) -> tuple[float, float]:
+    """The same entrypoint and runtime_env, submitted straight to the Jobs API."""
+    out = work / f"direct-{n}"
+    out.mkdir(parents=True)
+    req = dict(request, job_id=f"direct-{n}-{int(time.time())}", attempt=1, output_dir=str(out),
+               ingest_url=None, ingest_token=None, metrics_path=str(out / "metrics.jsonl"))
+    path = out / "request.json"
+    path.write_text(json.dumps(req))
+    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "RAY_AUTH_MODE": ray.auth_mode, "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    sid = f"direct-{n}-{int(time.time() * 1000)}"
+    t_submit = time.time()
+    ray.submit(sid, f"{ray.python} -m workers.run {path}", env, {})
+    while True:
+        st = ray.status(sid)
+        if st and st.status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            break
+        time.sleep(0.1)
+    if st.status != "SUCCEEDED":
+        raise RuntimeError(f"direct run {sid} ended {st.status}: {st.message}\n" + "\n".join(ray.log_tail(sid)))
+    end = ray.client.get_job_info(sid).end_time / 1000.0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    times = sorted(r["time"] for r in records if r.get("kind") == "metrics" and r.get("rank") == 0)
+    return times[0] - t_submit, end - times[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+
+    from service.auth import create_key
+    from service.db import session_scope
+    from service.embedded import EmbeddedService, quiet_logging
+    from service.settings import Settings
+
+    work = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
+    quiet_logging(work / "bench.log")
+    t0 = time.time()
+    head = LocalRayHead(num_cpus=8, log_path=work / "ray-head.log").start()
+    print(f"local Ray head up in {time.time() - t0:.1f} s ({head.dashboard_url})", flush=True)
+    settings = Settings(database_url=f"sqlite:///{work}/memfit.db", storage_dir=work / "storage",
+                        ray_address=head.dashboard_url, poll_seconds=0.2)
+    service = EmbeddedService(settings).start()
+    try:
+        with session_scope(service.app.state.sessions) as s:
+            key = create_key(s, "bench").key
+        http = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        http.app_sessions = service.app.state.sessions  # type: ignore[attr-defined]
+        with (DATA / "chat.jsonl").open("rb") as f:
+            train_id = http.post("/v1/files", files={"file": ("chat.jsonl", f)}, data={"purpose": "fine-tune"}).json()["id"]
+
+        print("warm-up run (not measured) …", flush=True)
+        _, _, warm_id = run_memfit(http, train_id, args.steps)
+        request = json.loads((settings.storage_dir / "jobs" / warm_id / "request-attempt-1.json").read_text())
+        run_direct(service.scheduler.ray, request, work, 0)
+
+        memfit_start, memfit_end, direct_start, direct_end = [], [], [], []
+        for n in range(1, args.runs + 1):
+            s, e, _ = run_memfit(http, train_id, args.steps)
+            memfit_start.append(s)
+            memfit_end.append(e)
+            ds, de = run_direct(service.scheduler.ray, request, work, n)
+            direct_start.append(ds)
+            direct_end.append(de)
+            print(f"run {n}: memfit start {s:6.2f} s end {e:5.2f} s | direct start {ds:6.2f} s end {de:5.2f} s",
+                  flush=True)
+
+        med = statistics.median
+        ms, me, ds, de = med(memfit_start), med(memfit_end), med(direct_start), med(direct_end)
+        print()
+        print(f"median over {args.runs} runs ({args.steps} steps, tiny-llama LoRA, ddp × 2 CPU workers):")
+        print(f"  POST/submit → first training step : memfit {ms:6.2f} s   direct Jobs API {ds:6.2f} s   "
+              f"memfit adds {ms - ds:+.2f} s (ratio {ms / ds:.2f})")
+        print(f"  last step → succeeded             : memfit {me:6.2f} s   direct Jobs API {de:6.2f} s   "
+              f"memfit adds {me - de:+.2f} s (ratio {me / de if de > 0 else float('nan'):.2f})")
+        print("  target: memfit adds < 2 s at the start and < 2 s at the end")
+    finally:
+        service.stop()
+        head.stop(timeout_s=10)
+
+
+if __name__ == "__main__":
+    main()
