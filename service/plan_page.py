@@ -86,12 +86,18 @@ def evaluate(form: dict[str, str] | None, *, known_gpus: set[str] | None = None,
         ctx["errors"] = [f"{p.param}: {p.message}" for p in problems] if problems else [str(exc)]
         return ctx
     breakdown = plan_breakdown(plan) or {}
+    host = (plan.get("per_rank") or {}).get("host") or {} if isinstance(plan, dict) else {}
     capacity, label = plan_capacity(plan)
     ctx["result"] = {
         "fits": plan.get("fits") if isinstance(plan, dict) else None,
         "parameter_count": plan.get("parameter_count") if isinstance(plan, dict) else None,
         "trainable_parameter_count": plan.get("trainable_parameter_count") if isinstance(plan, dict) else None,
-        "rows": [{"category": c, "label": CATEGORY_LABELS[c], "bytes": breakdown.get(c)} for c in CATEGORIES],
+        "rows": [{"category": c, "label": CATEGORY_LABELS[c], "bytes": breakdown.get(c),
+                  "host_bytes": (host.get(c) if c != "other" else
+                                 (host.get("temporary") or 0) + (host.get("overhead") or 0)) if host else None,
+                  "share": (breakdown.get(c) or 0) / capacity if capacity else None} for c in CATEGORIES],
+        "host_total_bytes": host.get("total") if host else None,
+        "used_share": (breakdown.get("total") or 0) / capacity if capacity else None,
         "total_bytes": breakdown.get("total"), "capacity_bytes": capacity, "capacity_label": label,
         "suggestions": plan_suggestions(plan), "plan": plan,
     }

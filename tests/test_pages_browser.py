@@ -69,10 +69,12 @@ def real_job(stack) -> dict:
     return stack.wait(job_id, ("succeeded",), timeout=420)
 
 
-def login(context, base_url: str, key: str):
+def login(context, base_url: str, key: str, screenshot=None):
     page = context.new_page()
     page.goto(f"{base_url}/ui/jobs")
     assert "/ui/login" in page.url  # no key yet: the login form
+    if screenshot is not None:
+        page.screenshot(path=str(screenshot))
     page.fill("#api_key", key)
     page.click("#login-submit")
     page.wait_for_url(f"{base_url}/ui/jobs")
@@ -100,7 +102,7 @@ def test_job_page_of_a_real_job_shows_its_charts(browser, stack, real_job, artif
     assert metrics_steps == list(range(1, STEPS + 1))
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     try:
-        page = login(context, stack.server.url, stack.key)
+        page = login(context, stack.server.url, stack.key, screenshot=artifacts_dir / "login-page.png")
         page.screenshot(path=str(artifacts_dir / "jobs-list.png"), full_page=True)
         assert page.locator(f"tr.job-row[data-job-id='{job_id}']").count() == 1
 
@@ -108,7 +110,10 @@ def test_job_page_of_a_real_job_shows_its_charts(browser, stack, real_job, artif
         page.wait_for_function("() => window.memfitCharts && Object.keys(window.memfitCharts.memory).length > 0")
         state = chart_state(page)
         page.screenshot(path=str(artifacts_dir / "job-page.png"), full_page=True)
-        page.screenshot(path=str(artifacts_dir / "job-page-top.png"))  # the README's picture (docs/job-page.png)
+        # The README's picture (docs/job-page.png): the status, the memory charts and predicted vs measured.
+        bottom = page.locator("#comparison").bounding_box()
+        page.screenshot(path=str(artifacts_dir / "job-page-memory.png"), full_page=True,
+                        clip={"x": 0, "y": 0, "width": 1400, "height": bottom["y"] + bottom["height"] + 12})
 
         # Loss: one point per rank-0 metrics step, the real losses; eval loss from the validation file.
         assert state["loss"]["labels"] == metrics_steps
@@ -234,6 +239,17 @@ def test_jobs_list_filter_and_planner_page(browser, stack, real_job, artifacts_d
             assert rows.count() == 6
             total = page.locator("#plan-table tr.plan-row[data-category=total]").get_attribute("data-bytes")
             assert int(total) > 0
+            assert "fits" in page.locator("#plan-result h2").inner_text()
+            # Llama-2-7B, full fine-tune in fp32 on an A100-40GB: does not fit; the page lists what would.
+            page.fill("input[name=model]", "meta-llama/Llama-2-7b-hf")
+            page.select_option("select[name=peft]", "none")
+            page.select_option("select[name=precision]", "fp32")
+            page.fill("input[name=micro_batch_size]", "1")
+            page.click("#plan-submit")
+            page.wait_for_load_state()
+            assert "does not fit" in page.locator("#plan-result h2").inner_text()
+            assert page.locator("#suggestions li").count() > 0
+            page.screenshot(path=str(artifacts_dir / "planner-does-not-fit.png"), full_page=True)
     finally:
         context.close()
 
