@@ -39,7 +39,9 @@ def test_create_returns_openai_job(create_job, tenant):
     assert job["method"] == {"type": "supervised", "supervised": {"hyperparameters": job["hyperparameters"]}}
     assert job["training"]["peft"]["method"] == "lora" and job["training"]["peft"]["r"] == 4
     assert job["training"]["strategy"] == "ddp"  # defaults are filled in
-    assert job["attempt"] == 0 and job["memory"] is None
+    assert job["attempt"] == 0
+    # The memory pre-flight's short summary (issue 5): planned, nothing measured yet.
+    assert job["memory"]["fits"] is True and job["memory"]["measured_peak_bytes"] is None
     assert isinstance(job["created_at"], int)
 
 
