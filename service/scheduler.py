@@ -417,7 +417,9 @@ class Scheduler:
                     metrics.SCHEDULER_FAILURES.labels(exc.error["code"]).inc()  # /metrics
                 else:
                     fields = {"plan": plan} if plan is not None else {}
-                    _try(transition, s, job.id, JobStatus.queued, **fields)
+                    queued = _try(transition, s, job.id, JobStatus.queued, **fields)
+                    if queued is not None and job.desired_state == "pause":  # paused while validating
+                        _try(transition, s, job.id, JobStatus.paused, desired_state=None)
                 done += 1
         return done
 
