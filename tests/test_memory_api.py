@@ -85,6 +85,29 @@ def test_plan_errors_name_the_field(client, tenant, make_tenant):
     assert client.post("/v1/memory/plan", json={"model": LLAMA_7B}).status_code == 401
 
 
+def test_memfit_plan_answers_offline_for_the_examples(monkeypatch):
+    """`memfit plan SPEC --gpu a100-40gb` with no server: the same service.memory plan."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from service.cli import app as cli
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    env = {"MEMFIT_API_URL": "", "MEMFIT_API_KEY": ""}
+    full = CliRunner().invoke(cli, ["plan", str(examples / "llama2-7b-full-a100.yaml"), "--gpu", "a100-40gb",
+                                    "--json"], env=env)
+    assert full.exit_code == 0, full.output
+    p = json.loads(full.output)
+    assert p["fits"] is False and p["parameter_count"] == 6_738_415_616 and p["suggestions"]
+    states = p["model_states"]["device"]
+    assert (states["parameters"] + states["gradients"] + states["optimizer_states"]) / p["parameter_count"] == 16
+    lora = CliRunner().invoke(cli, ["plan", str(examples / "llama2-7b-lora-a100.yaml"), "--gpu", "a100-40gb"], env=env)
+    assert lora.exit_code == 0, lora.output
+    assert "fits" in lora.output and "does not fit" not in lora.output and "activations" in lora.output
+
+
 # --- the pre-flight at creation -------------------------------------------------------------------
 
 

@@ -23,7 +23,9 @@ from service import memory
 router = APIRouter(tags=["memory"])
 
 
-@router.post("/v1/memory/plan", summary="Predict a job's per-rank memory without creating it")
+@router.post("/v1/memory/plan", summary="Predict a job's per-rank memory without creating it",
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/JobSpec"}}}}})  # api/app.py adds JobSpec
 def plan_memory(
     request: Request,
     principal: PrincipalDep,
