@@ -407,8 +407,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     g_all = dev.gradients
     g_fwd = g_all if accum > 1 else 0  # earlier micro-batches' gradients are live in forward
     offloaded_step = ds.offload_optimizer == "cpu" and strategy == "deepspeed" or (strategy == "fsdp" and t.fsdp.cpu_offload)
-    # DeepSpeed bf16: the fp32 master partition gets an fp32 copy of its gradients for the step.
-    master_grad = (Pt // N) * 4 if (strategy == "deepspeed" and ds.zero_stage >= 1 and p_bytes == 2) else 0
+    # DeepSpeed ZeRO ≥ 1: the fp32 master partition gets a flattened fp32 copy of its gradients for the step.
+    master_grad = (Pt // N) * 4 if (strategy == "deepspeed" and ds.zero_stage >= 1) else 0
     step_temp = master_grad + 2 * opt_temp_unit
     host.temporary = step_temp if (offloaded_step and on_gpu) else 0
     # (gradients live, activations live, temporaries) at each candidate instant
