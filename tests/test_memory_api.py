@@ -269,12 +269,15 @@ def stack(pg_url, ray_head, tmp_path_factory):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_cpu_job_over_its_host_memory_budget_fails_out_of_memory_with_a_post_mortem(stack):
+def test_a_cpu_job_over_its_host_memory_budget_fails_out_of_memory_with_a_post_mortem(stack, artifacts_dir):
     budget = 100 * 2**20  # far below a torch worker's RSS: the first phase mark trips it
     job_id = stack.create(resources={"num_workers": 1, "host_memory_budget_bytes": budget},
                           memory_policy="ignore", max_failures=0)
     job = stack.wait(job_id, ("failed",), timeout=540)  # a loaded CPU: Ray worker start-up dominates
     error = job["error"]
+    import json
+
+    (artifacts_dir / "oom-post-mortem.json").write_text(json.dumps(error, indent=1))  # what a user sees
     assert error["code"] == "out_of_memory", error
     assert error["rank"] == 0 and error["step"] == 1 and error["phase"] in ("forward", "backward", "optimizer")
     d = error["details"]
