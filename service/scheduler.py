@@ -139,6 +139,24 @@ class RayJobs:
         self.entrypoint_num_cpus = entrypoint_num_cpus
         self._client = None
         self._lock = threading.Lock()
+        # The Jobs API client has no request timeout: each call runs in a small pool and is given up
+        # after call_timeout_s (the loop must not hang on a stuck head; a late answer is harmless —
+        # submissions are create-once by id and every other call is a read or an idempotent stop).
+        self.call_timeout_s = float(os.environ.get("MEMFIT_RAY_CALL_TIMEOUT_S", "60"))
+        self._pool = None
+
+    def _call(self, fn, *args, **kwargs):
+        import concurrent.futures
+
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="memfit-ray")
+        future = self._pool.submit(fn, *args, **kwargs)
+        try:
+            return future.result(timeout=self.call_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise RayUnavailable(f"the Ray Jobs API at {self.address} did not answer within "
+                                 f"{self.call_timeout_s:.0f} s") from None
 
     @property
     def client(self):
@@ -166,7 +184,8 @@ class RayJobs:
     def submit(self, sid: str, entrypoint: str, env_vars: dict[str, str], metadata: dict[str, str]) -> bool:
         """Submit once. Returns True when this call created it, False when it already existed."""
         try:
-            self.client.submit_job(
+            self._call(
+                self.client.submit_job,
                 entrypoint=entrypoint,
                 submission_id=sid,
                 runtime_env=self.runtime_env(env_vars),
@@ -175,9 +194,11 @@ class RayJobs:
             )
             return True
         except RuntimeError as exc:
+            if isinstance(exc, RayUnavailable):
+                raise
             if "already exists" in str(exc):
                 return False
-            if _is_connection_error(exc):
+            if _is_transient(exc):
                 raise RayUnavailable(str(exc)) from exc
             raise
         except OSError as exc:
@@ -186,8 +207,10 @@ class RayJobs:
     def status(self, sid: str) -> RayStatus | None:
         """Ray's view of one submission; None when Ray does not know it (never submitted, or lost)."""
         try:
-            info = self.client.get_job_info(sid)
+            info = self._call(self.client.get_job_info, sid)
         except RuntimeError as exc:
+            if isinstance(exc, RayUnavailable):
+                raise
             if "does not exist" in str(exc) or "status code 404" in str(exc):
                 return None
             raise RayUnavailable(str(exc)) from exc
@@ -202,8 +225,10 @@ class RayJobs:
 
     def stop(self, sid: str) -> bool:
         try:
-            return bool(self.client.stop_job(sid))
+            return bool(self._call(self.client.stop_job, sid))
         except RuntimeError as exc:
+            if isinstance(exc, RayUnavailable):
+                raise
             if "does not exist" in str(exc):
                 return False
             raise RayUnavailable(str(exc)) from exc
@@ -212,7 +237,7 @@ class RayJobs:
 
     def log_tail(self, sid: str, lines: int = 30) -> list[str]:
         try:
-            text = self.client.get_job_logs(sid)
+            text = self._call(self.client.get_job_logs, sid)
         except Exception:  # noqa: BLE001 - logs are best effort
             return []
         return text.splitlines()[-lines:]
@@ -227,9 +252,13 @@ class RayJobs:
         }
 
 
-def _is_connection_error(exc: Exception) -> bool:
+def _is_transient(exc: Exception) -> bool:
+    """Worth retrying: the head is down or busy (e.g. "No available agent to submit job, please try
+    again later" while its job agent starts), as opposed to a refusal of this submission."""
     text = str(exc).lower()
-    return any(s in text for s in ("connection refused", "failed to connect", "cannot connect", "timed out"))
+    return any(s in text for s in ("connection refused", "failed to connect", "cannot connect", "timed out",
+                                   "try again later", "no available agent", "status code 502",
+                                   "status code 503", "status code 504"))
 
 
 # --- validation ---------------------------------------------------------------------------------
@@ -346,6 +375,7 @@ class Scheduler:
     exit_grace_s: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
     _watch: dict[str, _Watch] = field(default_factory=dict)
+    _unsubmitted: dict[tuple[str, int], str] = field(default_factory=dict)  # deferred submissions → token
     _last_heartbeat: float = 0.0
 
     # ---- the loop ----
@@ -513,11 +543,16 @@ class Scheduler:
         entrypoint = f"{shlex.quote(self.ray.python)} -m workers.run {shlex.quote(str(path))}"
         try:
             created = self.ray.submit(sid, entrypoint, env, {"memfit_job_id": job_id, "attempt": str(attempt)})
-        except RayUnavailable:
-            raise  # the job stays running without a Ray job; reconcile resubmits it (same id) next tick
+        except RayUnavailable as exc:
+            # The job stays running without a Ray job; reconcile retries this same submission id
+            # (it cannot start twice) until Ray answers or the job's lease passes to another scheduler.
+            log.warning("submission %s deferred: %s", sid, exc)
+            self._unsubmitted[(job_id, attempt)] = token
+            return
         except Exception as exc:  # noqa: BLE001 - Ray refused it (bad runtime_env …)
             self._fail(job_id, attempt, "submission_failed", f"Ray refused the submission {sid}: {exc}")
             return
+        self._unsubmitted.pop((job_id, attempt), None)
         with self.sessions.begin() as s:
             s.add(JobEvent(job_id=job_id, attempt=attempt, level="info", type="message",
                            message=f"Submitted to Ray as {sid}" if created else f"Ray already had {sid}; kept it",
@@ -580,9 +615,16 @@ class Scheduler:
         for job_id in list(self._watch):
             if job_id not in live:
                 del self._watch[job_id]
+        for key in list(self._unsubmitted):
+            if key[0] not in live:
+                del self._unsubmitted[key]
 
     def _reconcile_running(self, job_id: str, attempt: int, known: str | None, desired: str | None) -> None:
         sid = submission_id(job_id, attempt)
+        token = self._unsubmitted.get((job_id, attempt))
+        if token is not None and desired != "cancel":
+            self.submit(job_id, attempt, token)  # a deferred submission: same id, so never twice
+            return
         st = self.ray.status(sid)
         watch = self._watch.setdefault(job_id, _Watch())
         if st is None:

@@ -123,6 +123,13 @@ class Stack:
             value = predicate()
             if value:
                 return value
+            if job_id is not None and self.job(job_id)["status"] in ("succeeded", "failed", "cancelled"):
+                value = predicate()
+                if value:
+                    return value
+                job = self.job(job_id)
+                raise AssertionError(f"job ended {job['status']} ({job.get('error')}) while waiting for {what}; "
+                                     f"events: {[e['message'] for e in self.events(job_id)][-12:]}")
             time.sleep(0.3)
         detail = ""
         if job_id is not None:
@@ -311,9 +318,9 @@ def test_killed_training_worker_resumes_from_checkpoint(stack, ray_head):
     job_id = stack.create(hyperparameters={"max_steps": 12}, checkpoint_every_steps=4, max_failures=2)
     ckpt = stack.wait_until(
         lambda: stack.http.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=stack.auth).json()["data"],
-        what="the first checkpoint")
+        what="the first checkpoint", job_id=job_id)
     first_ckpt = ckpt[-1]["step_number"]
-    stack.wait_until(lambda: max(stack.metrics_steps(job_id), default=0) > first_ckpt, what="a step past the checkpoint")
+    stack.wait_until(lambda: max(stack.metrics_steps(job_id), default=0) > first_ckpt, what="a step past the checkpoint", job_id=job_id)
     pids = train_worker_pids(ray_head)
     assert pids, "no Ray Train worker process found"
     os.kill(pids[-1], signal.SIGKILL)
