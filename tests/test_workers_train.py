@@ -160,3 +160,16 @@ def test_checkpoint_holds_the_step_and_resumes_there(tmp_path):
     assert sorted(second) == [4, 5, 6]  # continued after the checkpointed step
     for step in (4, 5, 6):
         assert second[step] == pytest.approx(first[step], rel=1e-5)
+
+
+def test_qat_trains_with_fake_quantization_and_exports_plain_weights(tmp_path):
+    """torchao QAT (int8 dynamic activations, int4 grouped weights) under ddp: the loss falls and
+    the exported model is a stock transformers model with the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    args = _args(tmp_path, qat_enabled=True, qat_group_size=16, max_steps=10)
+    (result,) = run_local(args)
+    losses = _losses(result["reports"])
+    assert losses[-1] < 0.7 * losses[0], losses
+    model = AutoModelForCausalLM.from_pretrained(Path(args.output_dir) / "model")
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
