@@ -55,6 +55,12 @@ def validate(req: RunRequest) -> None:
         read_jsonl(path)
 
 
+def _fail_at_from_env() -> str | None:
+    """Fault injection for tests: MEMFIT_FAIL_AT_STEP (or MEMFIT_WORKER_FAIL_AT_STEP, which the
+    scheduler forwards into Ray jobs) = "<step>[:<rank>]"."""
+    return os.environ.get("MEMFIT_FAIL_AT_STEP") or os.environ.get("MEMFIT_WORKER_FAIL_AT_STEP")
+
+
 def build_trainer(req: RunRequest, fail_at: str | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -70,7 +76,7 @@ def build_trainer(req: RunRequest, fail_at: str | None = None):
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"request": req.model_dump(mode="json"),
-                           "fail_at": fail_at if fail_at is not None else os.environ.get("MEMFIT_FAIL_AT_STEP")},
+                           "fail_at": fail_at if fail_at is not None else _fail_at_from_env()},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
                                  timeout_s=int(os.environ.get("MEMFIT_DIST_TIMEOUT_S", "1800"))),
         scaling_config=ScalingConfig(num_workers=res.num_workers, use_gpu=use_gpu, resources_per_worker=per_worker),
