@@ -71,7 +71,8 @@ async def client(base: str, key: str, job_id: str, out: list, ready: asyncio.Eve
                             return
                         now = time.time()
                         data = json.loads(fields["data"])
-                        out.append((int(fields["id"]), now, (data.get("data") or {}).get("time"), data.get("type")))
+                        d = data.get("data") or {}
+                        out.append((int(fields["id"]), now, d.get("time"), data.get("type"), d.get("step")))
                     fields = {}
                 elif line.startswith(":"):
                     continue
@@ -80,7 +81,7 @@ async def client(base: str, key: str, job_id: str, out: list, ready: asyncio.Eve
                     fields[k] = v[1:] if v.startswith(" ") else v
 
 
-async def produce(base: str, job_id: str, token: str, n: int, rate: float) -> None:
+async def produce(base: str, job_id: str, token: str, n: int, rate: float, acked: dict) -> None:
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         t0 = time.monotonic()
         for step in range(1, n + 1):
@@ -94,6 +95,7 @@ async def produce(base: str, job_id: str, token: str, n: int, rate: float) -> No
             r = await http.post(f"/v1/internal/jobs/{job_id}/ingest", json={"records": records},
                                 headers={"Authorization": f"Bearer {token}"})
             r.raise_for_status()
+            acked[step] = time.time()  # the records are committed: the API answered
         r = await http.post(f"/v1/internal/jobs/{job_id}/ingest", headers={"Authorization": f"Bearer {token}"},
                             json={"records": [{"kind": "result", "attempt": 1, "time": time.time(),
                                                "fine_tuned_model": "ft:bench", "artifacts": {}}]})
@@ -157,13 +159,16 @@ def main() -> None:
             while len(started) < args.clients:
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # every stream has caught up with the backlog
-            cpu0, t0 = sum(api.cpu_times()[:2]), time.monotonic()
-            await produce(base, job_id, token, args.events, args.rate)
+            me = psutil.Process()
+            cpu0, mine0, t0 = sum(api.cpu_times()[:2]), sum(me.cpu_times()[:2]), time.monotonic()
+            acked: dict[int, float] = {}
+            await produce(base, job_id, token, args.events, args.rate, acked)
             await asyncio.wait_for(asyncio.gather(*tasks), 120)
-            cpu1, t1 = sum(api.cpu_times()[:2]), time.monotonic()
-            return outs, cpu1 - cpu0, t1 - t0
+            cpu1, mine1, t1 = sum(api.cpu_times()[:2]), sum(me.cpu_times()[:2]), time.monotonic()
+            return outs, cpu1 - cpu0, mine1 - mine0, t1 - t0, acked
 
-        outs, cpu_s, wall_s = asyncio.run(run())
+        load0 = os.getloadavg()[0]
+        outs, cpu_s, bench_cpu_s, wall_s, acked = asyncio.run(run())
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}) as http:
             expected, after = [], None
             while True:
@@ -175,14 +180,20 @@ def main() -> None:
                 after = page["data"][-1]["id"]
         expected.sort()
         complete = sum(1 for o in outs if [i for i, *_ in o] == expected)
-        delays = [(recv - sent) * 1000 for o in outs for _, recv, sent, kind in o if kind == "metrics" and sent]
+        delays = [(recv - sent) * 1000 for o in outs for _, recv, sent, kind, _ in o if kind == "metrics" and sent]
+        after_commit = [(recv - acked[step]) * 1000 for o in outs for _, recv, _, kind, step in o
+                        if kind == "metrics" and step in acked]
         print(f"clients: {args.clients}   metrics events ingested: {args.events} at {args.rate:g}/s   db: {args.db}")
         print(f"every event, once, in order: {complete}/{args.clients} clients "
               f"({len(expected)} events each, {sum(len(o) for o in outs)} deliveries)")
         print(f"delivery delay (ms): p50 {percentile(delays, 0.5):.0f}   p99 {percentile(delays, 0.99):.0f}   "
               f"max {max(delays):.0f}   mean {statistics.mean(delays):.0f}   (target p99 < 500)")
+        print(f"  from the ingest POST's answer (commit) to the client (ms): p50 {percentile(after_commit, 0.5):.0f}   "
+              f"p99 {percentile(after_commit, 0.99):.0f}   (negative: the stream beat the POST's response)")
         print(f"API process CPU: {cpu_s:.2f} s over {wall_s:.1f} s wall = {100 * cpu_s / wall_s:.0f}% of one core "
-              f"({os.cpu_count()} cores on this machine)")
+              f"({os.cpu_count()} cores on this machine); the 50 clients + producer used {bench_cpu_s:.2f} s")
+        print(f"machine load average (1 min): {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end "
+              f"(other processes share these cores; delays grow with load)")
         if complete != args.clients:
             raise SystemExit("some clients missed or duplicated events")
     finally:

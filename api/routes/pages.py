@@ -4,7 +4,7 @@
   every page and data call authenticates it like the API does (api.web_auth), so a page never shows
   another tenant's objects (their ids are a 404 here too).
 - ``/ui/jobs``: the jobs list, filterable by status. ``/ui/jobs/{id}``: the job page; its chart data
-  is embedded as JSON (``<script type="application/json" id="job-data">``) and updated live from the
+  is embedded as JSON (``<script type="application/json" id="page-data">``) and updated live from the
   SSE stream (api/routes/stream.py) plus ``/ui/jobs/{id}/memory.json`` for new memory samples.
 - ``/ui/planner``: the memory planner as a form.
 - ``/v1/fine_tuning/jobs/{id}/artifacts[/{path}]``: files under the job's output directory
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Form, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
@@ -216,8 +216,6 @@ def install(app) -> None:
     """Mount the static files (Chart.js, the dashboard script and stylesheet)."""
     app.mount("/ui/static", static, name="ui-static")
 
-
-__all__ = ["router", "install", "JSONResponse"]
 
 
 @router.get("/ui/jobs/{job_id}/view.json", include_in_schema=False)
