@@ -228,8 +228,14 @@ class PreflightOutcome:
 
 def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = None) -> PreflightOutcome:
     """Apply ``training.memory_policy`` to the plan of ``spec`` (see the module docstring)."""
+    from service.errors import SpecInvalid
+    from service.gpus import UnknownGPU
+
     try:
         plan, options = _plan(spec, settings, None, model_path)
+    except UnknownGPU as exc:
+        raise SpecInvalid([{"param": "training.resources.gpu_type", "message": str(exc),
+                            "code": "invalid_value"}]) from None
     except UnknownModelShape as exc:
         return PreflightOutcome(spec, None, [{
             "message": f"memory pre-flight: {exc}; memory will be measured in the worker, not predicted",
