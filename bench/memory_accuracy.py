@@ -380,13 +380,15 @@ def report(results: list[dict], out=sys.stdout) -> dict:
 def run(cases: list[Case], *, load: str | None = None, save: str | None = None, log=sys.stderr) -> list[dict]:
     measured: dict[str, dict] = {}
     if load:
-        for m in json.loads(Path(load).read_text()):
-            measured[json.dumps(m["case"], sort_keys=True)] = m
+        for path in load.split(","):
+            for m in json.loads(Path(path).read_text()):
+                measured[json.dumps(m["case"], sort_keys=True)] = m
     from workers.models import build_preset
 
     dirs: dict[str, str] = {}
     results = []
     t_start = time.time()
+    n_new = 0
     for i, case in enumerate(cases):
         key = json.dumps(asdict(case), sort_keys=True)
         if key not in measured:
@@ -394,6 +396,7 @@ def run(cases: list[Case], *, load: str | None = None, save: str | None = None, 
                 dirs[case.family] = str(build_preset(f"preset:{case.family}"))
             t0 = time.time()
             measured[key] = measure(case, dirs[case.family])
+            n_new += 1
             log.write(f"[{i + 1}/{len(cases)}] {case.name}: {time.time() - t0:.1f} s\n")
             log.flush()
             if save:
@@ -402,7 +405,7 @@ def run(cases: list[Case], *, load: str | None = None, save: str | None = None, 
         res["plan"] = predict(case)
         res["baselines"] = baselines(case)
         results.append(res)
-    log.write(f"measured {len(cases)} configs in {time.time() - t_start:.0f} s\n")
+    log.write(f"{len(cases)} configs ({n_new} measured now) in {time.time() - t_start:.0f} s\n")
     return results
 
 
@@ -455,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", help="reuse measurements from this JSON file; measure only what is missing")
     ap.add_argument("--filter", help="only configs whose name contains this text")
     ap.add_argument("--overhead", action="store_true", help="measure telemetry's step-time overhead instead")
+    ap.add_argument("--loaded-only", action="store_true", help="with --load: report exactly the loaded configs")
     a = ap.parse_args(argv)
     if a.overhead:
         overhead()
@@ -462,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cases = matrix(a.quick)
+    if a.load and a.loaded_only:
+        cases = []
+        for path in a.load.split(","):
+            cases += [Case(**m["case"]) for m in json.loads(Path(path).read_text())]
     if a.filter:
         cases = [c for c in cases if all(f in c.name for f in a.filter.split(","))]
     results = run(cases, load=a.load, save=a.save)
