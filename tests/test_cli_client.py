@@ -17,23 +17,25 @@ from api.app import create_app
 from api.routes.stream import StreamHub
 from service.cli import app as cli
 from service.scheduler import RayJobs, Scheduler
-from tests.scheduler_support import LiveServer, create_job, migrated, new_key, settings_for, upload
+from tests.scheduler_support import LiveServer, create_job, migrated, new_key, own_database, settings_for, upload
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def env(pg_url, tmp_path_factory):
-    migrated(pg_url)
-    settings = settings_for(pg_url, tmp_path_factory.mktemp("storage"))
-    app = create_app(settings)
-    app.state.stream_hub = StreamHub(app.state.read_sessions, heartbeat_s=0.5)
-    sched = Scheduler(app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))  # claims; never reaches Ray
-    server = LiveServer(app).start()
-    try:
-        yield server, sched, app
-    finally:
-        server.stop()
+    # Its own database: a claim here must not pick up (or be crowded out by) other modules' queued jobs.
+    with own_database(pg_url) as url:
+        migrated(url)
+        settings = settings_for(url, tmp_path_factory.mktemp("storage"))
+        app = create_app(settings)
+        app.state.stream_hub = StreamHub(app.state.read_sessions, heartbeat_s=0.5)
+        sched = Scheduler(app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))  # claims; never reaches Ray
+        server = LiveServer(app).start()
+        try:
+            yield server, sched, app
+        finally:
+            server.stop()
 
 
 @pytest.fixture

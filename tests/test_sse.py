@@ -14,24 +14,26 @@ import pytest
 from api.app import create_app
 from api.routes.stream import StreamHub
 from service.scheduler import RayJobs, Scheduler
-from tests.scheduler_support import LiveServer, create_job, migrated, new_key, settings_for, upload
+from tests.scheduler_support import LiveServer, create_job, migrated, new_key, own_database, settings_for, upload
 
 INGEST = "/v1/internal/jobs/{}/ingest"
 
 
 @pytest.fixture(scope="module")
 def env(pg_url, tmp_path_factory):
-    migrated(pg_url)
-    settings = settings_for(pg_url, tmp_path_factory.mktemp("storage"))
-    app = create_app(settings)
-    app.state.stream_hub = StreamHub(app.state.read_sessions, poll_s=0.05, heartbeat_s=0.5)
-    # The scheduler's claim gives each job its attempt and ingest token; Ray is never reached here.
-    sched = Scheduler(app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))
-    server = LiveServer(app).start()
-    try:
-        yield server, sched, app
-    finally:
-        server.stop()
+    # Its own database: a claim here must not pick up (or be crowded out by) other modules' queued jobs.
+    with own_database(pg_url) as url:
+        migrated(url)
+        settings = settings_for(url, tmp_path_factory.mktemp("storage"))
+        app = create_app(settings)
+        app.state.stream_hub = StreamHub(app.state.read_sessions, poll_s=0.05, heartbeat_s=0.5)
+        # The scheduler's claim gives each job its attempt and ingest token; Ray is never reached here.
+        sched = Scheduler(app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))
+        server = LiveServer(app).start()
+        try:
+            yield server, sched, app
+        finally:
+            server.stop()
 
 
 def running_job(env) -> tuple[str, str, str]:
