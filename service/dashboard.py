@@ -161,7 +161,8 @@ def capacity_for(job: Job, spec_training: dict) -> tuple[int | None, str | None]
     worker's host memory budget; (None, None) for a CPU worker without one."""
     cap, label = plan_capacity(job.plan)
     if cap:
-        return cap, f"{label or 'GPU'} capacity"
+        # A plan without a GPU was planned against the CPU worker's host memory budget.
+        return cap, f"{label} capacity" if label else "host memory budget"
     res = spec_training.get("resources") or {}
     if res.get("gpu_type"):
         try:
@@ -323,7 +324,8 @@ def job_view(session: Session, principal: Principal, settings: Settings, job_id:
             "last_sample_id": samples[-1]["id"] if samples else 0,
         },
         "comparison": {**comparison, "plan_source": plan_source if comparison["has_plan"] else None},
-        "suggestions": plan_suggestions(plan),
+        # An out-of-memory failure carries the planner's suggestions for the run that failed; else the plan's.
+        "suggestions": plan_suggestions((job.error or {}).get("details")) or plan_suggestions(plan),
         "plan": plan,
         "events": [{"id": e.id, "created_at": e.created_at.timestamp(), "level": e.level, "type": e.type,
                     "message": e.message} for e in events[-300:]],
