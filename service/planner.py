@@ -296,8 +296,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     s = t.hyperparameters.max_seq_length
     if t.peft.method == PeftMethod.prompt_tuning or t.peft.method == PeftMethod.prefix_tuning:
         s += t.peft.num_virtual_tokens if t.peft.method == PeftMethod.prompt_tuning else 0
-    P = shape.parameter_count()
     Pt = trainable_parameters(spec, shape)
+    # PEFT adds its adapter to the frozen base: the model holds both.
+    P = shape.parameter_count() + (Pt if t.peft.method != PeftMethod.none else 0)
     full = t.peft.method == PeftMethod.none
     targets = _lora_targets(spec, shape)
     regime = _regime(spec)
@@ -342,7 +343,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         dev.gradients = grads_full // N
         dev.optimizer_states = opt // N
         unit_bytes = 4 if regime.name == "fp32" else 2
-        layer_unsharded = shape.layer_params() * unit_bytes
+        adapter_per_layer = 0 if full else Pt // max(shape.num_layers, 1)
+        layer_unsharded = (shape.layer_params() + adapter_per_layer) * unit_bytes
         root = (shape.parameter_count() - shape.num_layers * shape.layer_params()) * unit_bytes
         if t.fsdp.reshard_after_forward:
             # Every unit, the root included, reshards when its forward ends and re-gathers only when
