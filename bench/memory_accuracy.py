@@ -409,7 +409,7 @@ def run(cases: list[Case], *, load: str | None = None, save: str | None = None, 
     return results
 
 
-def overhead(steps: int = 40, case: Case | None = None, out=sys.stdout) -> dict:
+def overhead(steps: int = 20, case: Case | None = None, out=sys.stdout) -> dict:
     """Step time with telemetry at the default cadence (sample every step, trace every 10th) against
     none, same process, alternating blocks of steps so that machine load hits both alike."""
     import torch

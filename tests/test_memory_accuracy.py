@@ -13,7 +13,7 @@ from bench.memory_accuracy import Case, measure, measured_categories, predict, p
 
 SLICE_IN_PROCESS = [
     Case("small-llama", 128, "none", "fp32", False, "ddp1"),
-    Case("small-qwen2", 128, "lora", "bf16", True, "ddp1"),
+    Case("small-qwen2", 128, "lora", "bf16", True, "ddp1"),  # Qwen2: GQA 4:1, tied embeddings, qkv bias
 ]
 SLICE_TWO_RANKS = [Case("small-llama", 128, "none", "bf16", False, "fsdp2")]
 
