@@ -157,6 +157,8 @@ def test_auto_creates_the_job_with_the_cheapest_fix_applied_and_an_event(client,
     [event] = [e for e in events_of(client, tenant, job["id"]) if e["message"].startswith("memory pre-flight: applied")]
     assert event["message"].startswith(f"memory pre-flight: applied {first['change']} (")
     assert event["data"]["applied"] == first
+    stored = client.get(f"/v1/fine_tuning/jobs/{job['id']}/memory", headers=tenant.headers).json()["plan"]
+    assert stored["fits"] is True and stored["peak_bytes"] == first["predicted_peak_bytes"]  # the fixed spec's plan
 
 
 def test_ignore_creates_the_job_as_given_with_a_warning(client, tenant, create_job):
@@ -167,6 +169,8 @@ def test_ignore_creates_the_job_as_given_with_a_warning(client, tenant, create_j
     assert job["training"]["precision"] == "fp32" and job["memory"]["fits"] is False
     [warn] = [e for e in events_of(client, tenant, job["id"]) if e["message"].startswith("memory pre-flight")]
     assert warn["level"] == "warn" and "memory_policy=ignore" in warn["message"]
+    stored = client.get(f"/v1/fine_tuning/jobs/{job['id']}/memory", headers=tenant.headers).json()
+    assert stored["plan"]["fits"] is False and stored["plan"]["suggestions"] and stored["samples"] == {}
 
 
 def test_a_job_that_fits_is_created_with_its_plan_and_no_extra_event(client, tenant, create_job):
