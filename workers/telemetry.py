@@ -221,6 +221,12 @@ class StepTelemetry:
         self._last: dict[str, Any] = {}  # latest counters, for the post-mortem
         self._phase_times_s: dict[str, float] = {}
         self._t0 = 0.0
+        # Process memory that is not tensors (interpreter, libraries, allocator slack): RSS now minus
+        # the tensors already built. A host-budget post-mortem reports it as its own category.
+        try:
+            self._runtime_bytes = max(0, process_rss_bytes() - self._live_bytes(self.counters()))
+        except Exception:  # noqa: BLE001 - telemetry must never stop a run from starting
+            self._runtime_bytes = 0
 
     # -- cadence ---------------------------------------------------------------------------
 
@@ -438,6 +444,8 @@ class StepTelemetry:
             "optimizer": breakdown.get("optimizer_bytes", 0) + breakdown.get("host_optimizer_bytes", 0),
             "other": breakdown.get("other_bytes", 0),
         }
+        if not self._cuda:  # RSS counts the process itself too: name that part instead of blaming activations
+            state["process_runtime"] = min(self._runtime_bytes, max(0, used - sum(state.values())))
         # What is not model state was activations and temporaries of the phase that failed.
         state["activations_and_temporary"] = max(0, used - sum(state.values()))
         last_peak = self._last.get("activations_bytes")
