@@ -177,6 +177,7 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
                            {"ddp1": "ddp", "fsdp2": "fsdp"}.get(case.strategy, "deepspeed"),
                            {k: (v if isinstance(v, bool) else v == "cpu") for k, v in offload.items()})
     scheduler = None if engine is not None else W.warmup_cosine(optimizer, 0, case.steps)
+    (engine or model).train()  # the worker's loop does this; HF checkpointing is off in eval mode
     records: list[dict] = []
     times = []
     for step in range(1, case.steps + 1):
@@ -425,6 +426,7 @@ def overhead(steps: int = 20, case: Case | None = None, out=sys.stdout) -> dict:
     opt = W.make_optimizer(model, 1e-4, 0.0)
     sched = W.warmup_cosine(opt, 0, 10**6)
     tel = StepTelemetry(rank=0, device="cpu", model=model, optimizer=opt, every_steps=1, trace_every_steps=10)
+    model.train()
     times: dict[str, list[float]] = {"off": [], "on": []}
     step = 0
     for block in range(steps // 10):

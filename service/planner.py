@@ -407,7 +407,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     host_state = host.parameters + host.gradients + host.optimizer_states
     shared = 0 if on_gpu else host_state  # a CPU worker's "device" is the same RAM as its host
     g_all = dev.gradients
-    g_fwd = g_all if accum > 1 else 0  # earlier micro-batches' gradients are live in forward
+    # Gradients live in forward: earlier micro-batches' (accumulation), or ZeRO-3's flat gradient
+    # partition buffer, which DeepSpeed allocates once and keeps (measured).
+    g_fwd = g_all if (accum > 1 or (strategy == "deepspeed" and ds.zero_stage == 3)) else 0
     offloaded_step = ds.offload_optimizer == "cpu" and strategy == "deepspeed" or (strategy == "fsdp" and t.fsdp.cpu_offload)
     # DeepSpeed ZeRO ≥ 1: the fp32 master partition gets a flattened fp32 copy of its gradients for the step.
     master_grad = (Pt // N) * 4 if (strategy == "deepspeed" and ds.zero_stage >= 1) else 0
