@@ -8,6 +8,7 @@ process of the user on the host). No ray import here: this module runs in the se
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -55,7 +56,7 @@ class LocalRayHead:
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def start(self, timeout_s: float = 90.0) -> "LocalRayHead":
+    def start(self, timeout_s: float = 180.0) -> "LocalRayHead":
         ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
         if ray_bin is None:
             raise RuntimeError("the `ray` command is not installed; install memfit with the [train] extra")
@@ -88,14 +89,22 @@ class LocalRayHead:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"ray head exited with code {self.process.returncode} (log: {self.log_path})")
-            try:
-                with urllib.request.urlopen(f"{self.dashboard_url}/api/version", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
+            # The dashboard answers before the raylet has registered the node; a job submitted
+            # then waits for minutes or fails, so "up" means the Jobs API answers AND a node is alive.
+            if self._node_alive():
+                return self
+            time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"ray head did not answer on {self.dashboard_url} within {timeout_s:.0f} s")
+        raise RuntimeError(f"ray head at {self.dashboard_url} had no live node within {timeout_s:.0f} s")
+
+    def _node_alive(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.dashboard_url}/api/v0/nodes", timeout=5) as r:
+                body = json.loads(r.read())
+        except (OSError, ValueError):
+            return False
+        nodes = ((body.get("data") or {}).get("result") or {}).get("result") or []
+        return any(n.get("state") == "ALIVE" for n in nodes)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the head we started and every process in its group; nothing else."""
