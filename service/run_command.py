@@ -152,7 +152,9 @@ def summary(http: httpx.Client, job: dict, console: Console, elapsed_s: float) -
     if job["status"] == "succeeded":
         paths = _model_paths(http, job)
         if paths:
-            console.print(f"[bold green]Model saved to {paths[0]}[/bold green]")
+            # Plain print: a path must never be wrapped by the terminal width (scripts grep it).
+            console.file.flush()
+            print(f"Model saved to {paths[0]}", flush=True)
 
 
 def _model_paths(http: httpx.Client, job: dict) -> list[str]:

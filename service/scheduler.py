@@ -57,6 +57,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import metrics
 from service.errors import InvalidTransition, JobNotFound, StaleAttempt
+from service.jobs import add_event
 from service.models import Checkpoint, File, Job, JobEvent
 from service.presets import PRESET_PREFIX, PRESETS
 from service.settings import Settings
@@ -554,10 +555,9 @@ class Scheduler:
             return
         self._unsubmitted.pop((job_id, attempt), None)
         with self.sessions.begin() as s:
-            s.add(JobEvent(job_id=job_id, attempt=attempt, level="info", type="message",
-                           message=f"Submitted to Ray as {sid}" if created else f"Ray already had {sid}; kept it",
-                           data={"submission_id": sid, "attempt": attempt},
-                           dedupe_key=f"submit:{attempt}"))
+            add_event(s, job_id, f"Submitted to Ray as {sid}" if created else f"Ray already had {sid}; kept it",
+                      data={"submission_id": sid, "attempt": attempt}, attempt=attempt,
+                      dedupe_key=f"submit:{attempt}")
 
     # ---- adopt ----
 
@@ -701,19 +701,18 @@ class Scheduler:
                       .values(ray_status=new if new != "GONE" else "STOPPED", lease_owner=None)
                       .execution_options(synchronize_session=False))
             if stop and st is not None and new in RAY_ACTIVE | {"STOPPED"}:
-                s.add(JobEvent(job_id=job_id, attempt=attempt, level="info", type="message",
-                               message=f"Stopping Ray job {sid} (job is {status})",
-                               data={"submission_id": sid, "ray_status": new},
-                               dedupe_key=f"stop:{attempt}:{new}"))
+                add_event(s, job_id, f"Stopping Ray job {sid} (job is {status})",
+                          data={"submission_id": sid, "ray_status": new}, attempt=attempt,
+                          dedupe_key=f"stop:{attempt}:{new}")
 
     def _set_ray_status(self, job_id: str, attempt: int, ray_status: str) -> None:
         with self.sessions.begin() as s:
             s.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt)
                       .values(ray_status=ray_status).execution_options(synchronize_session=False))
-            s.add(JobEvent(job_id=job_id, attempt=attempt, level="info", type="message",
-                           message=f"Ray job {submission_id(job_id, attempt)} is {ray_status}",
-                           data={"ray_status": ray_status, "attempt": attempt},
-                           dedupe_key=f"ray:{attempt}:{ray_status}"))
+            # insert-or-ignore: two schedulers (or a retried tick) may report the same status.
+            add_event(s, job_id, f"Ray job {submission_id(job_id, attempt)} is {ray_status}",
+                      data={"ray_status": ray_status, "attempt": attempt}, attempt=attempt,
+                      dedupe_key=f"ray:{attempt}:{ray_status}")
 
     def _finish(self, job_id: str, attempt: int, to: JobStatus, **fields: Any) -> None:
         with self.sessions.begin() as s:

@@ -28,7 +28,7 @@ def test_memfit_run_tiny_lora(tmp_path, artifacts_dir):
     (artifacts_dir / "memfit-run.out").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     print(f"memfit run took {elapsed:.1f} s")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    saved = re.search(r"Model saved to (\S+)", proc.stdout)
+    saved = re.search(r"^Model saved to (\S+)$", proc.stdout, re.M)
     assert saved, proc.stdout[-3000:]
     model_dir = Path(saved.group(1))
     assert model_dir.is_dir() and (model_dir / "adapter_config.json").is_file()
