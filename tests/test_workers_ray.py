@@ -113,7 +113,7 @@ def test_ddp_resumes_after_a_worker_dies_and_a_second_driver_resumes(ray_session
     assert [r["kind"] for r in again] == ["result"]
 
 
-def test_lora_ddp_through_the_cli_entrypoint(ray_session, presets, tmp_path):
+def test_lora_ddp_through_the_cli_entrypoint(ray_head, presets, tmp_path):
     """`python -m workers.run REQUEST.json` as the scheduler runs it, on examples/tiny-lora.yaml."""
     import yaml
     from peft import PeftModel
@@ -130,9 +130,9 @@ def test_lora_ddp_through_the_cli_entrypoint(ray_session, presets, tmp_path):
                      model_path=presets["tiny-llama"], output_dir=str(out), metrics_path=str(out / "metrics.jsonl"))
     path = tmp_path / "request.json"
     path.write_text(req.model_dump_json())
-    env = {**os.environ, "RAY_ADDRESS": ray_session.address}
+    env = {**os.environ, "RAY_ADDRESS": ray_head.address}
     proc = subprocess.run([sys.executable, "-m", "workers.run", str(path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["status"] == "succeeded"
     records = _records(req)
