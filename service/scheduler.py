@@ -359,6 +359,8 @@ class _Watch:
     ray_terminal_since: float | None = None
     pause_from_step: int | None = None
     pause_since: float | None = None
+    logs_checked_at: float = 0.0
+    restarts_seen: int = 0
 
 
 @dataclass
@@ -374,6 +376,8 @@ class Scheduler:
     pause_timeout_s: float = 120.0
     # A run that ended itself (result/failure posted) gets this long to exit before it is stopped.
     exit_grace_s: float = 30.0
+    # How often a running job's Ray log is scanned for Ray Train worker-group restarts.
+    restart_check_s: float = 3.0
     extra_env: dict[str, str] = field(default_factory=dict)
     _watch: dict[str, _Watch] = field(default_factory=dict)
     _unsubmitted: dict[tuple[str, int], str] = field(default_factory=dict)  # deferred submissions → token
@@ -633,6 +637,8 @@ class Scheduler:
         if st.status != known:
             self._set_ray_status(job_id, attempt, st.status)
         if st.status in RAY_ACTIVE:
+            if st.status == "RUNNING":
+                self._watch_restarts(job_id, attempt, sid, watch)
             if desired == "cancel":
                 self.ray.stop(sid)
             elif desired == "pause" and self._pause_point_reached(job_id, attempt, watch):
@@ -660,6 +666,23 @@ class Scheduler:
         else:  # STOPPED by someone else (ray job stop, dashboard)
             self._fail(job_id, attempt, "ray_job_stopped", f"Ray job {sid} was stopped outside memfit",
                        details={"submission_id": sid})
+
+    def _watch_restarts(self, job_id: str, attempt: int, sid: str, watch: _Watch) -> None:
+        """Ray Train's own retries (FailureConfig.max_failures) as job events. The controller logs
+        each decision ("[FailurePolicy] RETRY") to the driver, i.e. the Ray job's log; the workers'
+        callback also reports exceptions it sees, but a worker process that dies (SIGKILL, OOM
+        killer) only shows up here."""
+        now = time.monotonic()
+        if now - watch.logs_checked_at < self.restart_check_s:
+            return
+        watch.logs_checked_at = now
+        lines = [line for line in self.ray.log_tail(sid, 100_000) if "[FailurePolicy] RETRY" in line]
+        for n in range(watch.restarts_seen + 1, len(lines) + 1):
+            with self.sessions.begin() as s:
+                add_event(s, job_id, f"Ray Train restarted the worker group from its latest checkpoint (restart {n})",
+                          level="warn", attempt=attempt, dedupe_key=f"raytrain-restart:{attempt}:{n}",
+                          data={"restart": n, "attempt": attempt, "submission_id": sid})
+        watch.restarts_seen = max(watch.restarts_seen, len(lines))
 
     def _pause_point_reached(self, job_id: str, attempt: int, watch: _Watch) -> bool:
         with self.sessions() as s:
