@@ -70,6 +70,15 @@ def test_unknown_field_is_rejected_by_name(create_job, tenant):
     assert body["errors"] == [{"param": "training.lora_rank", "message": "unknown field", "code": "unknown_field"}]
 
 
+def test_pipeline_is_plannable_but_refused_as_a_job(create_job, tenant, client):
+    training = {"strategy": "pipeline", "pipeline": {"stages": 2}, "resources": {"num_workers": 2}}
+    body = assert_problem(create_job(tenant, training=training), 422, "unsupported_strategy", "training.strategy")
+    assert "not run yet" in body["errors"][0]["message"]
+    plan = client.post("/v1/memory/plan", headers=tenant.headers,
+                       json={"model": "preset:tiny-llama", "training": training})
+    assert plan.status_code == 200, plan.text
+
+
 def test_server_owned_fields_cannot_be_set(create_job, tenant):
     r = create_job(tenant, status="succeeded", result_files=["file-x"], organization_id="org-other")
     body = assert_problem(r, 422, "invalid_spec", "status")
