@@ -173,3 +173,20 @@ def test_qat_trains_with_fake_quantization_and_exports_plain_weights(tmp_path):
     assert losses[-1] < 0.7 * losses[0], losses
     model = AutoModelForCausalLM.from_pretrained(Path(args.output_dir) / "model")
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+
+
+def test_a_window_with_no_label_tokens_has_no_loss_not_zero():
+    """Examples truncated before their assistant tokens leave every label masked: the step's loss
+    is undefined (None in the metrics), never 0.0, and no gradient flows."""
+    from workers.data import StepSampler, load_dataset, step_batches
+    from workers.models import build_preset, load_model, load_tokenizer
+    from workers.steps import accumulate_gradients
+
+    model_dir = str(build_preset("preset:tiny-llama"))
+    data = load_dataset(str(EXAMPLES / "chat.jsonl"), load_tokenizer(model_dir), max_seq_length=64)
+    (batch,) = step_batches(data, StepSampler(len(data), 2, 1, 1, seed=1), 0, 0)
+    batch["labels"].fill_(-100)
+    model = load_model(model_dir)
+    loss, tokens, input_tokens = accumulate_gradients(model, [batch], device=torch.device("cpu"), world_size=1)
+    assert loss is None and tokens == 0 and input_tokens > 0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

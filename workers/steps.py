@@ -168,7 +168,7 @@ def accumulate_gradients(
     no_sync: Callable[[], Any] | None = None,
     backward: Callable[[torch.Tensor], None] | None = None,
     where: dict | None = None,
-) -> tuple[float, int, int]:
+) -> tuple[float | None, int, int]:
     """Forward and backward every micro-batch of one optimizer step with the loss scaled as the
     module docstring explains. Returns (mean loss over the window across ranks, global label
     tokens, local input tokens). ``no_sync`` skips DDP's all-reduce on all but the last micro-batch;
@@ -198,7 +198,10 @@ def accumulate_gradients(
             if tel is not None:
                 tel.mark("backward")
         loss_total += loss_sum.detach().double().cpu()
-    mean_loss = all_reduce_sum(float(loss_total), device) / max(global_tokens, 1.0)
+    # A window whose examples were all truncated before their assistant/completion tokens has no
+    # label to learn from: its loss is undefined, not 0.0 (which a dashboard would show as perfect).
+    total = all_reduce_sum(float(loss_total), device)
+    mean_loss = total / global_tokens if global_tokens > 0 else None
     input_tokens = sum(int(b["attention_mask"].sum()) for b in micro_batches)
     return mean_loss, int(global_tokens), input_tokens
 
