@@ -387,7 +387,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             gathered_layer = gathered
         if ds.offload_optimizer == "cpu":
             host.optimizer_states, dev.optimizer_states = dev.optimizer_states, 0
-            host.gradients, dev.gradients = dev.gradients, 0
+            # the host keeps an fp32 copy of the gradient partition for the CPU optimizer (measured)
+            host.gradients, dev.gradients = dev.gradients + (Pt // N) * 4, 0
         if ds.offload_param == "cpu":
             host.parameters, dev.parameters = dev.parameters, 0
         assumptions.append(f"DeepSpeed ZeRO-{stage}: reduce bucket {bucket} elements, prefetch 0.9·hidden², "
