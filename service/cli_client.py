@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import httpx
 import typer
+from service.units import human_bytes
 from rich.console import Console
 from rich.table import Table
 
@@ -69,14 +70,7 @@ def _fail(exc: ApiError) -> None:
 
 
 def mib(n: Any) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    return human_bytes(n)
 
 
 def _when(ts: Any) -> str:

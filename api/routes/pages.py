@@ -30,6 +30,7 @@ from service import dashboard, jobs
 from service.auth import authenticate
 from service.errors import NotFound, Unauthorized
 from service.states import JobStatus
+from service.units import human_bytes
 
 HERE = Path(__file__).resolve().parent.parent
 templates = Jinja2Templates(directory=str(HERE / "templates"))
@@ -39,14 +40,7 @@ router = APIRouter(tags=["dashboard"])
 
 
 def _bytes(n: Any) -> str:
-    if n is None:
-        return "—"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    return human_bytes(n, missing="—")
 
 
 def _age(seconds: Any) -> str:
