@@ -17,9 +17,10 @@ from typing import Any, Iterator
 
 import httpx
 import typer
-from service.units import human_bytes
 from rich.console import Console
 from rich.table import Table
+
+from service.units import human_bytes
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
