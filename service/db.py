@@ -11,8 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, Select, create_engine, event, text, tuple_
 from sqlalchemy.orm import Session, sessionmaker
+
+from service.errors import UnprocessableEntity
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,6 +113,24 @@ class Page(list):
     def __init__(self, items, has_more: bool):
         super().__init__(items)
         self.has_more = has_more
+
+
+def fetch_page(session: Session, query: Select, limit: int) -> Page:
+    """Run an ordered query for one page: one row more than ``limit`` tells whether more follow."""
+    rows = list(session.scalars(query.limit(limit + 1)))
+    return Page(rows[:limit], has_more=len(rows) > limit)
+
+
+def newest_first_page(session: Session, query: Select, model, *, tenant_id: str, after: str | None,
+                      limit: int) -> Page:
+    """Keyset pagination on (created_at, id), newest first, over one tenant's rows of ``model``;
+    ``after`` is the last id of the previous page (another tenant's id is an unknown cursor)."""
+    if after:
+        cursor = session.get(model, after)
+        if cursor is None or cursor.tenant_id != tenant_id:
+            raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
+        query = query.where(tuple_(model.created_at, model.id) < tuple_(cursor.created_at, cursor.id))
+    return fetch_page(session, query.order_by(model.created_at.desc(), model.id.desc()), limit)
 
 
 def insert_ignoring_conflicts(session: Session, model, rows: list[dict], conflict_columns: list[str]) -> int:

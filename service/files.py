@@ -11,12 +11,12 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.auth import Principal
 from service.datafmt import DataError, validate_jsonl
-from service.db import Page
+from service.db import Page, newest_first_page
 from service.errors import FileNotFound, InvalidFile, PayloadTooLarge, UnprocessableEntity
 from service.models import File, new_id
 from service.settings import Settings
@@ -97,13 +97,7 @@ def list_files(
     q = select(File).where(File.tenant_id == principal.tenant_id)
     if purpose:
         q = q.where(File.purpose == purpose)
-    if after:
-        cursor = session.get(File, after)
-        if cursor is None or cursor.tenant_id != principal.tenant_id:
-            raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
-        q = q.where(tuple_(File.created_at, File.id) < tuple_(cursor.created_at, cursor.id))
-    rows = list(session.scalars(q.order_by(File.created_at.desc(), File.id.desc()).limit(limit + 1)))
-    return Page(rows[:limit], has_more=len(rows) > limit)
+    return newest_first_page(session, q, File, tenant_id=principal.tenant_id, after=after, limit=limit)
 
 
 def delete_file(session: Session, principal: Principal, file_id: str) -> None:

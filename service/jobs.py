@@ -17,11 +17,11 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from sqlalchemy import delete, select, tuple_, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from service.auth import Principal
-from service.db import Page, insert_ignoring_conflicts
+from service.db import Page, fetch_page, insert_ignoring_conflicts, newest_first_page
 from service.errors import (
     BadRequest,
     IdempotencyInFlight,
@@ -261,13 +261,7 @@ def list_jobs(
         q = q.where(Job.metadata_[key].as_string() == value)
     if status:
         q = q.where(Job.status == status)
-    if after:
-        cursor = session.get(Job, after)
-        if cursor is None or cursor.tenant_id != principal.tenant_id:
-            raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
-        q = q.where(tuple_(Job.created_at, Job.id) < tuple_(cursor.created_at, cursor.id))
-    rows = list(session.scalars(q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
-    return Page(rows[:limit], has_more=len(rows) > limit)
+    return newest_first_page(session, q, Job, tenant_id=principal.tenant_id, after=after, limit=limit)
 
 
 # --- user actions -----------------------------------------------------------------------------
@@ -415,8 +409,7 @@ def list_events(
     q = select(JobEvent).where(JobEvent.job_id == job_id)
     if after:
         q = q.where(JobEvent.id < parse_event_cursor(after))
-    rows = list(session.scalars(q.order_by(JobEvent.id.desc()).limit(limit + 1)))
-    return Page(rows[:limit], has_more=len(rows) > limit)
+    return fetch_page(session, q.order_by(JobEvent.id.desc()), limit)
 
 
 def events_since(session: Session, job_id: str, last_id: int = 0, *, limit: int = 500) -> list[JobEvent]:
@@ -445,8 +438,7 @@ def list_checkpoints(
         if cursor is None or cursor.job_id != job_id:
             raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
         q = q.where(Checkpoint.step < cursor.step)
-    rows = list(session.scalars(q.order_by(Checkpoint.step.desc()).limit(limit + 1)))
-    return Page(rows[:limit], has_more=len(rows) > limit)
+    return fetch_page(session, q.order_by(Checkpoint.step.desc()), limit)
 
 
 def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
