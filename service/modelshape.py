@@ -115,6 +115,45 @@ class ModelShape:
                 n += r * (din + dout)
         return n * self.num_layers
 
+    def layer_numels(self) -> list[int]:
+        """One block's parameter sizes in ``block.parameters()`` order (attention, MLP, norms)."""
+        h, i, q, kv = self.hidden, self.intermediate, self.q_dim, self.kv_dim
+        norm = [self.hidden] * (2 if self.norm == "layernorm" else 1)  # weight (, bias)
+        if self.family == "gpt2":  # ln_1, attn (c_attn, c_proj), ln_2, mlp (c_fc, c_proj), all with biases
+            return [*norm, h * 3 * h, 3 * h, h * h, h, *norm, h * i, i, i * h, h]
+        attn: list[int] = []
+        for din, dout, bias in ((h, q, self.attention_bias), (h, kv, self.attention_bias),
+                                (h, kv, self.attention_bias), (q, h, self.o_bias)):
+            attn += [din * dout] + ([dout] if bias else [])
+        if self.qk_norm:
+            attn += [self.head_dim, self.head_dim]
+        if self.mlp in ("swiglu", "geglu"):
+            mlp = [h * i] + ([i] if self.mlp_bias else [])
+            mlp += [h * i] + ([i] if self.mlp_bias else [])
+            mlp += [i * h] + ([h] if self.mlp_bias else [])
+        else:  # pragma: no cover - only gpt2 has the plain GELU MLP, handled above
+            mlp = [h * i, i, i * h, h]
+        return attn + mlp + norm * self.norms_per_layer
+
+    def parameter_numels(self) -> list[int]:
+        """Every parameter's size in ``model.parameters()`` order (tied weights once), as ZeRO flattens them."""
+        out = [self.vocab * self.hidden]
+        if self.learned_positions:
+            out.append(self.learned_positions * self.hidden)
+        out += self.layer_numels() * self.num_layers
+        out += [self.hidden] * (2 if self.norm == "layernorm" else 1)
+        if not self.tied_embeddings:
+            out.append(self.vocab * self.hidden)
+        return out
+
+    def lora_numels(self, r: int, targets: list[str] | set[str]) -> list[int]:
+        """LoRA's trainable tensors (lora_A, lora_B of each adapted linear) in ``model.parameters()`` order."""
+        one_layer: list[int] = []
+        for name, (din, dout) in self.linear_shapes().items():
+            if name in targets or name.split(".")[-1] in targets:
+                one_layer += [r * din, dout * r]
+        return one_layer * self.num_layers
+
     def counts(self) -> dict[str, int]:
         return {
             "total": self.parameter_count(),

@@ -48,6 +48,8 @@ def test_parameter_count_matches_meta_model(name):
     shape = shape_from_config(cfg)
     # model.parameters() de-duplicates tied weights, as the optimizer sees them.
     assert shape.parameter_count() == sum(p.numel() for p in model.parameters())
+    # ZeRO flattens the parameters in this order; the planner places its partition boundaries on it.
+    assert shape.parameter_numels() == [p.numel() for p in model.parameters()]
     layer = model.base_model.layers[0] if hasattr(model.base_model, "layers") else model.base_model.h[0]
     assert shape.layer_params() == sum(p.numel() for p in layer.parameters())
     embed = model.get_input_embeddings()
@@ -56,16 +58,19 @@ def test_parameter_count_matches_meta_model(name):
     assert shape.largest_layer_params() >= largest
 
 
-def test_lora_trainable_count_matches_peft():
+@pytest.mark.parametrize("name,targets", [("preset:small-qwen2", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+                                          ("gpt2", ["c_attn", "c_proj"])])
+def test_lora_trainable_count_matches_peft(name, targets):
     pytest.importorskip("peft")
     import peft
 
-    cfg = {k: v for k, v in PRESETS["small-qwen2"].items() if k != "architectures"}
+    cfg = PRESETS[name[7:]] if name.startswith("preset:") else FAMILY_CONFIGS[name]
+    cfg = {k: v for k, v in cfg.items() if k != "architectures"}
     model = _meta_model(cfg)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert shape_from_config(cfg).lora_params(8, targets) == trainable
+    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
+    assert shape_from_config(cfg).lora_params(8, targets) == sum(trainable)
+    assert shape_from_config(cfg).lora_numels(8, set(targets)) == trainable
 
 
 def test_reads_config_json_and_rejects_unknown(tmp_path):

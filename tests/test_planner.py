@@ -9,7 +9,7 @@ import pytest
 
 from service.gpus import CATALOGUE, get_gpu
 from service.modelshape import shape_from_config
-from service.planner import auto_fix, plan, plan_for_spec, render, suggest
+from service.planner import auto_fix, plan, plan_for_spec, render, suggest, zero2_gradient_buffer_elements
 from service.spec import JobSpec
 
 LLAMA2_7B = shape_from_config({
@@ -85,12 +85,23 @@ def test_zero_stage_arithmetic_per_rank():
     z3 = plan(spec(**common, deepspeed={"zero_stage": 3}), LLAMA2_7B, "a100-80gb").device
     # ZeRO paper, mixed-precision Adam with K = 12 (fp32 master + two moments):
     assert z1.parameters == 2 * P7 and z1.gradients == 2 * P7 and z1.optimizer_states == 12 * P7 // n
-    assert z2.parameters == 2 * P7 and z2.gradients == 2 * P7 // n and z2.optimizer_states == 12 * P7 // n
+    assert z2.parameters == 2 * P7 and z2.optimizer_states == 12 * P7 // n
+    # ZeRO-2's gradient partition, plus the rest of the tensor its fullest rank's boundary cuts through
+    assert z2.gradients == 2 * zero2_gradient_buffer_elements(LLAMA2_7B.parameter_numels(), n)
+    assert 2 * P7 // n < z2.gradients <= 2 * (P7 // n + 32000 * 4096)
     assert z3.parameters == 2 * P7 // n and z3.gradients == 2 * P7 // n and z3.optimizer_states == 12 * P7 // n
     off = plan(spec(**common, deepspeed={"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}),
                LLAMA2_7B, "a100-80gb")
     assert off.device.optimizer_states == 0 and off.device.parameters == 0
     assert off.host.optimizer_states == 12 * P7 // n and off.host.parameters == 2 * P7 // n
+
+
+def test_zero2_gradient_buffer_holds_whole_tensors_across_partition_boundaries():
+    # 20 elements, 2 ranks: partitions [0, 10) and [10, 20)
+    assert zero2_gradient_buffer_elements([10, 6, 4], 2) == 10  # the boundary falls between tensors
+    assert zero2_gradient_buffer_elements([6, 8, 6], 2) == 14  # both ranks allocate the whole middle tensor
+    assert zero2_gradient_buffer_elements([3, 3, 3, 3, 3, 3, 1], 2) == 12  # 19 padded to 20; [0, 10) touches 4
+    assert zero2_gradient_buffer_elements([7], 1) == 7
 
 
 def test_fsdp_shards_model_states():
