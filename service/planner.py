@@ -12,9 +12,10 @@ a linear keeps its input only if its weight is trainable (LoRA: the frozen base 
 adapter's A does), a norm keeps its normalised input only if its weight is trainable, RMSNorm
 upcasts to fp32 (Llama, Qwen2, Mistral, Gemma), SwiGLU keeps gate, SiLU and up, SDPA keeps q, k, v,
 its output and a log-sum-exp (eager attention also the s² probabilities), and the loss
-(workers/steps.py) keeps the fp32 log-softmax of the logits. Three precision regimes differ:
+(workers/steps.py) keeps the fp32 log-softmax of the logits. Four precision regimes differ:
 fp32; bf16 autocast (DDP: fp32 weights and residual stream, a bf16 copy of each linear input and
-weight); pure bf16 compute (FSDP2's MixedPrecisionPolicy, DeepSpeed bf16). The peak is the largest
+weight); pure bf16 compute (FSDP2's MixedPrecisionPolicy, DeepSpeed bf16); and LoRA with bf16
+under DDP (a bf16 frozen base, so a bf16 residual stream, with the fp32 adapter cast per matmul). The peak is the largest
 of the candidate instants: the loss in forward, the start of backward (the log-softmax plus two
 vocabulary-sized gradients), a checkpointed layer's recomputation, the end of backward and the
 optimizer step, each with the model states live at that instant.
@@ -118,14 +119,17 @@ class Plan:
 class Regime:
     """How tensors are stored in forward: element sizes of linear outputs, the residual stream, casts."""
 
-    name: str  # fp32 | autocast | pure16
+    name: str  # fp32 | autocast | pure16 | lora16
     act: int  # bytes per element of linear/attention outputs
     residual: int  # bytes per element of the residual stream between blocks
     casts: bool  # autocast: each linear makes its own bf16 copy of its input (and weight)
 
 
 REGIMES = {"fp32": Regime("fp32", 4, 4, False), "autocast": Regime("autocast", 2, 4, True),
-           "pure16": Regime("pure16", 2, 2, False)}
+           "pure16": Regime("pure16", 2, 2, False),
+           # LoRA + bf16 under DDP: a bf16 frozen base (bf16 residual stream, no weight casts) with an
+           # fp32 adapter that PEFT feeds an fp32 copy of its input and autocast casts per matmul
+           "lora16": Regime("lora16", 2, 2, True)}
 
 
 @dataclass
@@ -183,6 +187,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: Regime, targets: set[
         if not regime.casts:
             return 0
         shapes = shape.linear_shapes()
+        if regime.name == "lora16":  # the base is bf16 already; autocast caches bf16 copies of A and B
+            return sum(2 * r * (shapes[n][0] + shapes[n][1]) for n in names if adapted(n) or adapted(n.split(".")[-1]))
         return sum(2 * shapes[n][0] * shapes[n][1] for n in names)
 
     def lora_extra(names: list[str]) -> int:
@@ -204,7 +210,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: Regime, targets: set[
             n += weight_casts(list(shape.linear_shapes()))
         else:
             norm_in = T * h * 4  # RMSNorm's fp32 view of its input, kept by pow
-            normalized = T * h * (4 if regime.name != "pure16" else 2)
+            normalized = T * h * (4 if regime.residual == 4 else 2)
             # input norm
             n += (norm_in if in_grad else 0) + small + (normalized if full else 0)
             attn_in = ["q_proj", "k_proj", "v_proj"]
@@ -213,6 +219,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: Regime, targets: set[
             if not full and regime.casts:
                 pass  # counted by linear_input: each adapted projection's lora_A casts its own copy
             n += lora_extra(attn_in + ["o_proj"])
+            if regime.name == "lora16" and adapted("o_proj"):
+                n += T * qd * 2  # o_proj's adapter: PEFT's fp32 copy of the attention output, cast again (measured)
             # attention: SDPA keeps q, k, v after rotary, its output (= o_proj's input) and the lse
             n += T * qd * a + 2 * T * kvd * a + T * qd * a + b * shape.num_heads * s * 4
             if attention == "eager":
@@ -235,13 +243,13 @@ def activations(shape: ModelShape, b: int, s: int, regime: Regime, targets: set[
     # final norm (+ lm_head input when lm_head trains), embedding indices, rotary cos/sin
     final = T * h * 4 + small if shape.family != "gpt2" else T * h * res + 2 * small
     if full:
-        final += T * h * (4 if regime.name != "pure16" else 2)  # normalised input, kept for the norm weight
+        final += T * h * regime.residual  # normalised input, kept for the norm weight
         final += T * h * (2 if regime.act == 2 else 4)  # lm_head's input (its bf16 copy under autocast)
-    if regime.casts:
+    if regime.casts and regime.name != "lora16":
         final += 2 * shape.vocab * h  # lm_head weight's bf16 copy
     final += T * 8  # embedding indices
     if shape.family != "gpt2":
-        final += 2 * s * shape.head_dim * (4 if regime.name != "pure16" else 2)
+        final += 2 * s * shape.head_dim * regime.residual  # cast to the hidden states' dtype
     Ts = b * (s - 1)  # shifted positions that carry a label
     loss_saved = Ts * V * 4 + Ts * 8
     logits = T * V * (4 if regime.name == "fp32" else 2)
@@ -277,6 +285,8 @@ def _regime(spec: JobSpec) -> Regime:
     t = spec.training
     if t.precision == Precision.fp32:
         return REGIMES["fp32"]
+    if t.strategy == StrategyName.ddp and t.precision == Precision.bf16 and t.peft.method == PeftMethod.lora:
+        return REGIMES["lora16"]  # workers/strategies.py: frozen_base_to_bf16
     if t.strategy == StrategyName.ddp or t.strategy == StrategyName.pipeline:
         return REGIMES["autocast"]
     return REGIMES["pure16"]  # FSDP2 MixedPrecisionPolicy and DeepSpeed bf16 compute in 16 bits
@@ -321,6 +331,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     if strategy == "deepspeed" and t.precision != Precision.fp32:
         p_bytes = 2  # DeepSpeed converts the module to bf16; fp32 masters live in the optimizer
     base_param_bytes = P * p_bytes
+    if regime.name == "lora16":
+        base_param_bytes = (P - Pt) * 2 + Pt * 4
+        assumptions.append("LoRA + bf16: the frozen base is held in bf16, the adapter in fp32")
     if qlora:
         base_param_bytes = int((P - Pt - shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)) * 0.5 * 1.03) \
             + shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) * 2 + Pt * 4

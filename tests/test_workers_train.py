@@ -143,6 +143,24 @@ def test_bf16_with_gradient_checkpointing_learns(tmp_path):
     AutoModelForCausalLM.from_pretrained(Path(args.output_dir) / "model")
 
 
+def test_lora_bf16_keeps_the_frozen_base_in_bf16_and_learns(tmp_path):
+    from workers.models import resolve_model_dir
+    from workers.strategies import build_model
+
+    args = _args(tmp_path, peft_method="lora", precision="bf16", max_steps=12, learning_rate=3e-2)
+    model = build_model(args, str(resolve_model_dir(args.model)))
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}  # AdamW on fp32
+    (result,) = run_local(args)
+    losses = _losses(result["reports"])
+    assert (Path(args.output_dir) / "adapter" / "adapter_config.json").exists()
+    # it learns as the same LoRA does with an fp32 base
+    (ref,) = run_local(_args(tmp_path / "fp32", peft_method="lora", max_steps=12, learning_rate=3e-2))
+    ref_losses = _losses(ref["reports"])
+    assert losses[-1] < losses[0] - 0.3 and ref_losses[-1] < ref_losses[0] - 0.3, (losses, ref_losses)
+    assert abs(losses[-1] - ref_losses[-1]) < 0.05 * ref_losses[-1], (losses, ref_losses)
+
+
 def test_checkpoint_holds_the_step_and_resumes_there(tmp_path):
     """Local resume: train 6 steps with a checkpoint at 3, then a run from that checkpoint repeats
     steps 4–6 with the same losses (data position, optimizer, scheduler and RNG restored)."""

@@ -78,7 +78,22 @@ def build_model(args: TrainArgs, model_dir: str):
         model = apply_peft(model, "lora" if args.peft_method == "qlora" else args.peft_method, r=args.peft_r,
                            alpha=args.peft_alpha, dropout=args.peft_dropout, targets=args.peft_targets,
                            num_virtual_tokens=args.peft_virtual_tokens)
+        if args.peft_method == "lora" and args.precision == "bf16" and args.strategy == "ddp":
+            frozen_base_to_bf16(model)
     return model
+
+
+def frozen_base_to_bf16(model) -> int:
+    """LoRA with bf16 under DDP: the frozen base is only read, so it is kept in bf16 (2 bytes per
+    parameter instead of 4, what LoRA users expect); the adapter stays fp32 for AdamW and autocast
+    casts it per matmul. (FSDP2 keeps one dtype per unit and casts for compute; DeepSpeed's bf16 mode
+    converts the whole module itself.) Returns the number of parameters converted."""
+    n = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.dtype == torch.float32:
+            p.data = p.data.to(torch.bfloat16)
+            n += p.numel()
+    return n
 
 
 def qat_prepare(model, group_size: int) -> None:
