@@ -9,7 +9,8 @@ Each config trains a random-init preset (small-llama, small-qwen2: hidden 256, 4
 8000) for 3 optimizer steps with the workers' own setup code (workers/strategies.py: build_model,
 shard_fsdp2, deepspeed_config; workers/steps.py: accumulate_gradients, clip_and_step, the AdamW),
 2-rank cases as 2 gloo processes under torch.multiprocessing. workers/telemetry.py measures each
-rank on step 3, the first steady-state step (optimizer states exist from step 2 on), from the
+rank on step 3, the first steady-state step (optimizer states exist from step 2 on; FSDP2 cases run
+5 steps and keep the highest of steps 3-5, since their peak varies from step to step), from the
 profiler's memory events (exact live-tensor peak). The planner (service/planner.py) predicts the same quantity from the spec and the config
 alone. DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs_all_cold`` and accelerate's
 ``calculate_maximum_sizes`` (×4 for Adam training, as ``accelerate estimate-memory`` does) are
@@ -37,6 +38,9 @@ MiB = 2**20
 STRATEGIES = ("ddp1", "fsdp2", "zero2", "zero3", "zero3_offload")
 CATS = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
 STATES = ("parameters", "gradients", "optimizer_states")
+# FSDP2 over gloo frees some unit buffers on gloo's threads, so a step's peak varies by up to a
+# unit's buffers: its configs trace steps 3..5 and report the highest, the peak a job would hit.
+FSDP2_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -84,13 +88,13 @@ def matrix(quick: bool) -> list[Case]:
         return [
             Case("small-llama", 512, "none", "fp32", False, "ddp1"),
             Case("small-llama", 512, "lora", "bf16", True, "ddp1"),
-            Case("small-qwen2", 128, "none", "bf16", False, "fsdp2"),
+            Case("small-qwen2", 128, "none", "bf16", False, "fsdp2", steps=FSDP2_STEPS),
             Case("small-llama", 128, "none", "bf16", False, "zero2"),
             Case("small-qwen2", 128, "lora", "fp32", True, "zero3"),
             Case("small-llama", 128, "none", "bf16", False, "zero3_offload"),
         ]
     return [
-        Case(f, s, p, pr, c, st)
+        Case(f, s, p, pr, c, st, steps=FSDP2_STEPS if st == "fsdp2" else 3)
         for f, s, p, pr, c, st in itertools.product(
             ("small-llama", "small-qwen2"), (128, 512), ("none", "lora"), ("fp32", "bf16"), (False, True), STRATEGIES
         )
@@ -116,7 +120,7 @@ def _train_args(case: Case, out_dir: str):
         strategy={"ddp1": "ddp", "fsdp2": "fsdp"}.get(case.strategy, "deepspeed"),
         precision=case.precision, gradient_checkpointing=case.ckpt, micro_batch_size=case.micro_batch,
         max_seq_length=case.seq, peft_method=case.peft, ds_stage=ds_stage, ds_offload_optimizer=off,
-        ds_offload_param=off, telemetry_every_steps=1, memory_trace_every_steps=10_000, max_steps=case.steps,
+        ds_offload_param=off, telemetry_every_steps=1, memory_trace_every_steps=1 if case.steps > 3 else 10_000, max_steps=case.steps,
     )
 
 
@@ -421,9 +425,10 @@ def run(cases: list[Case], *, load: str | None = None, save: str | None = None, 
     return results
 
 
-def overhead(steps: int = 20, case: Case | None = None, out=sys.stdout) -> dict:
-    """Step time with telemetry at the default cadence (sample every step, trace every 10th) against
-    none, same process, alternating blocks of steps so that machine load hits both alike."""
+def overhead(steps: int = 100, case: Case | None = None, trace_every: int = 10, out=sys.stdout) -> dict:
+    """Step time with telemetry at a cadence (a counters sample every step, the profiler trace every
+    ``trace_every`` steps) against no telemetry, in one process, alternating blocks of 10 steps so
+    that machine load hits both alike. Also the cost of one traced step, which sets the cadence."""
     import torch
 
     from workers import steps as W
@@ -431,36 +436,50 @@ def overhead(steps: int = 20, case: Case | None = None, out=sys.stdout) -> dict:
     from workers.strategies import build_model
     from workers.telemetry import StepTelemetry
 
-    case = case or Case("small-llama", 128, "none", "fp32", False, "ddp1")
+    case = case or Case("small-llama", 512, "none", "fp32", False, "ddp1")
     args = _train_args(case, "/tmp")
     model = build_model(args, str(build_preset(f"preset:{case.family}")))
     opt = W.make_optimizer(model, 1e-4, 0.0)
     sched = W.warmup_cosine(opt, 0, 10**6)
-    tel = StepTelemetry(rank=0, device="cpu", model=model, optimizer=opt, every_steps=1, trace_every_steps=10)
+    tel = StepTelemetry(rank=0, device="cpu", model=model, optimizer=opt, every_steps=1, trace_every_steps=trace_every)
     model.train()
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    times: dict[str, list[float]] = {"off": [], "on": [], "traced": [], "sampled": []}
     step = 0
-    for block in range(steps // 10):
+
+    def one(use) -> float:
+        nonlocal step
+        step += 1
+        t0 = time.perf_counter()
+        if use:
+            use.begin_step(step)
+        W.accumulate_gradients(model, _batches(case, model.config.vocab_size, step, 0),
+                               device=torch.device("cpu"), world_size=1, tel=use)
+        W.clip_and_step(model, opt, sched, 1.0)
+        if use:
+            use.mark("optimizer")
+            use.end_step(step)
+        return time.perf_counter() - t0
+
+    for _ in range(3):  # warm-up: the optimizer's states appear on step 1, allocator pools fill
+        one(None)
+    for block in range(max(1, steps // 10)):
         for mode in ("off", "on") if block % 2 == 0 else ("on", "off"):
             for _ in range(10):
-                step += 1
-                t0 = time.perf_counter()
-                use = tel if mode == "on" else None
-                if use:
-                    use.begin_step(step)
-                W.accumulate_gradients(model, _batches(case, model.config.vocab_size, step, 0),
-                                       device=torch.device("cpu"), world_size=1, tel=use)
-                W.clip_and_step(model, opt, sched, 1.0)
-                if use:
-                    use.mark("optimizer")
-                    use.end_step(step)
-                times[mode].append(time.perf_counter() - t0)
-    off, on = statistics.median(times["off"]), statistics.mean(times["on"])
-    off_mean = statistics.mean(times["off"])
-    res = {"step_s_without": off_mean, "step_s_with": on, "overhead_pct": 100 * (on - off_mean) / off_mean,
-           "median_step_s_without": off}
-    out.write(f"telemetry overhead at the default cadence ({case.name}, {steps} steps each): "
-              f"{off_mean * 1e3:.1f} ms → {on * 1e3:.1f} ms per step, {res['overhead_pct']:+.1f}%\n")
+                dt = one(tel if mode == "on" else None)
+                times[mode].append(dt)
+                if mode == "on":
+                    times["traced" if tel.is_traced(step) else "sampled"].append(dt)
+    off, on = statistics.mean(times["off"]), statistics.mean(times["on"])
+    traced = statistics.mean(times["traced"]) if times["traced"] else float("nan")
+    sampled = statistics.mean(times["sampled"])
+    res = {"steps_each": len(times["on"]), "trace_every": trace_every, "step_s_without": off, "step_s_with": on,
+           "overhead_pct": 100 * (on - off) / off, "traced_step_s": traced, "sampled_step_s": sampled,
+           "traced_step_cost_pct": 100 * (traced - off) / off, "sampled_step_cost_pct": 100 * (sampled - off) / off}
+    out.write(f"telemetry overhead ({case.name}, {res['steps_each']} steps each, trace every {trace_every}): "
+              f"{off * 1e3:.1f} ms -> {on * 1e3:.1f} ms per step, {res['overhead_pct']:+.1f}%\n"
+              f"  a counters-only step {sampled * 1e3:.1f} ms ({res['sampled_step_cost_pct']:+.1f}%), "
+              f"a traced step {traced * 1e3:.1f} ms ({res['traced_step_cost_pct']:+.1f}%, "
+              f"{len(times['traced'])} traced)\n")
     return res
 
 
@@ -471,10 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", help="reuse measurements from this JSON file; measure only what is missing")
     ap.add_argument("--filter", help="only configs whose name contains this text")
     ap.add_argument("--overhead", action="store_true", help="measure telemetry's step-time overhead instead")
+    ap.add_argument("--overhead-steps", type=int, default=100, help="with --overhead: steps with and without")
+    ap.add_argument("--trace-every", type=int, default=10, help="with --overhead: the trace cadence to measure")
     ap.add_argument("--loaded-only", action="store_true", help="with --load: report exactly the loaded configs")
     a = ap.parse_args(argv)
     if a.overhead:
-        overhead()
+        overhead(a.overhead_steps, trace_every=a.trace_every)
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

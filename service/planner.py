@@ -161,8 +161,12 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
 
 
 def activations(shape: ModelShape, b: int, s: int, regime: Regime, targets: set[str] | None, r: int,
-                attention: str = "sdpa") -> Activations:
-    """Bytes autograd keeps per block, by the family's ops (see the module docstring)."""
+                attention: str = "sdpa", zero3_linear: bool = False) -> Activations:
+    """Bytes autograd keeps per block, by the family's ops (see the module docstring).
+
+    ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
+    saves the input even when the weight is frozen (LoRA's base), wherever the input needs a gradient.
+    """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
     full = targets is None
@@ -197,7 +201,9 @@ def activations(shape: ModelShape, b: int, s: int, regime: Regime, targets: set[
     layer: list[int] = []
     small = T * 4  # per-token fp32 statistics (rsqrt, or mean + rstd for LayerNorm)
     for idx in range(shape.num_layers):
-        in_grad = full or idx > 0  # LoRA: the frozen embedding's output needs no gradient
+        # LoRA: the frozen embedding's output needs no gradient, except under ZeRO-3, whose module hooks
+        # hand every block an input that requires one (measured: block 0 then saves as the others do)
+        in_grad = full or idx > 0 or zero3_linear
         n = 0
         if shape.family == "gpt2":
             ln_in = (T * h * res if in_grad else 0) + 2 * small
@@ -234,6 +240,9 @@ def activations(shape: ModelShape, b: int, s: int, regime: Regime, targets: set[
             n += linear_input(norm_out, ["gate_proj", "up_proj"], h)
             # MLP: gate, act(gate), up kept by the activation and the product; the product by down_proj
             n += 3 * T * i * a + (T * i * a if trainable("down_proj") else 0)
+            if zero3_linear and not full and in_grad:  # ZeRO-3's linear keeps the frozen MLP's inputs too
+                n += (T * h * a if not any(trainable(c) for c in ("gate_proj", "up_proj")) else 0)
+                n += (T * i * a if not trainable("down_proj") else 0)
             n += lora_extra(["gate_proj", "up_proj", "down_proj"])
             base_linears = list(shape.linear_shapes())
             n += weight_casts(base_linears)
@@ -399,11 +408,15 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             prefetch = int(0.9 * shape.hidden * shape.hidden)
             if P <= DEEPSPEED_MAX_REUSE_DISTANCE:
                 gathered = base_param_bytes  # every param is reused within max_reuse_distance: kept gathered
+                gathered_layer = gathered
+                if not full and not shape.tied_embeddings and not t.gradient_checkpointing:
+                    # a frozen, untied lm_head is released after its forward and is not live at the
+                    # loss or at the start of backward (measured with LoRA; with checkpointing it stays)
+                    gathered -= shape.vocab * shape.hidden * p_bytes
                 assumptions.append("ZeRO-3: the model is smaller than stage3_max_reuse_distance, so gathered "
                                    "parameters stay live through forward and backward")
             else:
-                gathered = (2 * shape.largest_layer_params() + prefetch) * p_bytes
-            gathered_layer = gathered
+                gathered = gathered_layer = (2 * shape.largest_layer_params() + prefetch) * p_bytes
         if ds.offload_optimizer == "cpu":
             host.optimizer_states, dev.optimizer_states = dev.optimizer_states, 0
             # the host keeps an fp32 copy of the gradient partition for the CPU optimizer (measured)
@@ -417,7 +430,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         raise ValueError(f"unknown strategy {strategy!r}")
 
     # --- activations and the peak ----------------------------------------------------------
-    act = activations(shape, b, s, regime, targets, t.peft.r, t.attention)
+    act = activations(shape, b, s, regime, targets, t.peft.r, t.attention,
+                      zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3)
     A = act.saved(t.gradient_checkpointing)
     state = {"device": {"parameters": dev.parameters, "gradients": dev.gradients,
                         "optimizer_states": dev.optimizer_states},

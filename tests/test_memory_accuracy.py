@@ -16,7 +16,10 @@ SLICE_IN_PROCESS = [
     Case("small-llama", 128, "none", "fp32", False, "ddp1"),
     Case("small-qwen2", 128, "lora", "bf16", True, "ddp1"),  # Qwen2: GQA 4:1, tied embeddings, qkv bias
 ]
-SLICE_TWO_RANKS = [Case("small-llama", 128, "none", "bf16", False, "fsdp2")]
+SLICE_TWO_RANKS = [
+    Case("small-qwen2", 128, "none", "bf16", False, "fsdp2", steps=5),
+    Case("small-llama", 128, "lora", "bf16", False, "zero3"),  # ZeRO-3's linear keeps LoRA's frozen inputs
+]
 
 
 @pytest.fixture(scope="module")
