@@ -1,7 +1,7 @@
 """Predicted vs measured memory per rank, over the matrix of issue 5, on this machine's CPUs.
 
-    .venv/bin/python bench/memory_accuracy.py --quick            # a small slice (~2 min)
-    .venv/bin/python bench/memory_accuracy.py                    # the full matrix (see README for time)
+    .venv/bin/python bench/memory_accuracy.py --quick            # a 6-config slice (~1 min)
+    .venv/bin/python bench/memory_accuracy.py                    # the full 160-config matrix (~30 min)
     .venv/bin/python bench/memory_accuracy.py --save m.json      # keep the measurements
     .venv/bin/python bench/memory_accuracy.py --load m.json      # re-predict without re-measuring
 
@@ -344,7 +344,7 @@ def _pct(pred: float, meas: float) -> float:
     return 100.0 * (pred - meas) / meas if meas else 0.0
 
 
-def report(results: list[dict], out=sys.stdout) -> dict:
+def report(results: list[dict], out=sys.stdout, markdown: str | None = None) -> dict:
     rows = []
     w = out.write
     w(f"{'config':42s} {'rank':>4s} {'measured':>9s} {'planner':>9s} {'err%':>6s} | "
@@ -362,7 +362,7 @@ def report(results: list[dict], out=sys.stdout) -> dict:
             ds, acc = res["baselines"]["deepspeed"], res["baselines"]["accelerate"]
             rows.append({"case": case.name, "rank": rk["rank"], "err": err, "cat_err": cat_err,
                          "ds_err": _pct(ds, meas["total"]), "acc_err": _pct(acc, meas["total"]),
-                         "measured": meas, "predicted": pred})
+                         "measured": meas, "predicted": pred, "ds": ds, "acc": acc, "strategy": case.strategy})
             w(f"{case.name:42s} {rk['rank']:4d} {meas['total'] / MiB:9.1f} {pred['total'] / MiB:9.1f} "
               f"{err['total']:+6.1f} | "
               + " ".join(f"{err[c]:+6.1f}" if c in ("parameters", "gradients", "optimizer_states") else f"{cat_err[c]:+6.1f}"
@@ -381,16 +381,48 @@ def report(results: list[dict], out=sys.stdout) -> dict:
         ),
         "deepspeed_median_error_pct": statistics.median(r["ds_err"] for r in rows),
         "accelerate_median_error_pct": statistics.median(r["acc_err"] for r in rows),
+        "configs_within_5pct": len({r["case"] for r in rows} - {r["case"] for r in rows if abs(r["err"]["total"]) > 5}),
     }
     w("\n(params/grads/optim: signed % error of that category against the rank holding the most of it, which is what "
       "the planner predicts; activ/temp: signed error as % of the measured total)\n")
     w(f"configs {summary['configs']}, rank samples {summary['rank_samples']}: "
       f"max |error| {summary['max_abs_total_error_pct']:.2f}%, median |error| {summary['median_abs_total_error_pct']:.2f}%, "
       f"under-predicted {100 * summary['under_predicted_fraction']:.0f}%, "
-      f"max params/grads/optimizer error {summary['max_abs_model_state_error_pct']:.2f}%\n")
+      f"max params/grads/optimizer error {summary['max_abs_model_state_error_pct']:.2f}%, "
+      f"configs with every rank within 5%: {summary['configs_within_5pct']}\n")
     w(f"DeepSpeed estimator median error {summary['deepspeed_median_error_pct']:+.1f}%, "
       f"accelerate median error {summary['accelerate_median_error_pct']:+.1f}%\n")
+    if markdown:
+        Path(markdown).write_text(markdown_table(rows))
+        w(f"markdown table written to {markdown}\n")
     return summary
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Per strategy a summary, then one line per config (its rank with the largest |error|)."""
+    worst: dict[str, dict] = {}
+    for r in rows:
+        if r["case"] not in worst or abs(r["err"]["total"]) > abs(worst[r["case"]]["err"]["total"]):
+            worst[r["case"]] = r
+    out = ["| strategy | configs | planner max abs error | planner median abs error | within 5% | "
+           "DeepSpeed median error | accelerate median error |", "|---|---|---|---|---|---|---|"]
+    for st in STRATEGIES:
+        group = [r for r in worst.values() if r["strategy"] == st]
+        if not group:
+            continue
+        errs = [abs(r["err"]["total"]) for r in group]
+        out.append(f"| {st} | {len(group)} | {max(errs):.2f}% | {statistics.median(errs):.2f}% | "
+                   f"{sum(e <= 5 for e in errs)} | {statistics.median(r['ds_err'] for r in group):+.1f}% | "
+                   f"{statistics.median(r['acc_err'] for r in group):+.1f}% |")
+    out += ["", "| config | measured MiB | planner MiB | error | params | grads | optim | DeepSpeed MiB (error) | "
+            "accelerate MiB (error) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in worst.items():
+        m, p = r["measured"], r["predicted"]
+        out.append(f"| `{' '.join(name.split())}` | {m['total'] / MiB:.1f} | {p['total'] / MiB:.1f} | "
+                   f"{r['err']['total']:+.2f}% | {r['err']['parameters']:+.2f}% | {r['err']['gradients']:+.2f}% | "
+                   f"{r['err']['optimizer_states']:+.2f}% | {r['ds'] / MiB:.1f} ({r['ds_err']:+.1f}%) | "
+                   f"{r['acc'] / MiB:.1f} ({r['acc_err']:+.1f}%) |")
+    return "\n".join(out) + "\n"
 
 
 def run(cases: list[Case], *, load: str | None = None, save: str | None = None, log=sys.stderr) -> list[dict]:
@@ -493,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overhead-steps", type=int, default=100, help="with --overhead: steps with and without")
     ap.add_argument("--trace-every", type=int, default=10, help="with --overhead: the trace cadence to measure")
     ap.add_argument("--loaded-only", action="store_true", help="with --load: report exactly the loaded configs")
+    ap.add_argument("--markdown", help="also write the per-config table as Markdown to this file")
     a = ap.parse_args(argv)
     if a.overhead:
         overhead(a.overhead_steps, trace_every=a.trace_every)
@@ -507,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.filter:
         cases = [c for c in cases if all(f in c.name for f in a.filter.split(","))]
     results = run(cases, load=a.load, save=a.save)
-    summary = report(results)
+    summary = report(results, markdown=a.markdown)
     return 0 if summary["max_abs_total_error_pct"] <= 5.0 else 1
 
 
