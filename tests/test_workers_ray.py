@@ -189,6 +189,27 @@ def test_fsdp_bf16_checkpointing_and_cpu_offload(ray_session, presets, tmp_path)
     _assert_learns_and_loads(req, _records(req))
 
 
+def test_lora_bf16_ddp_holds_the_frozen_base_in_bf16(ray_session, presets, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from workers.run import fit
+
+    req = _request(tmp_path, "ftjob-lora-bf16", presets["tiny-llama"],
+                   {"strategy": "ddp", "precision": "bf16", "peft": {"method": "lora", "r": 8},
+                    "hyperparameters": {"learning_rate": 0.03}})
+    fit(req)
+    records = _records(req)
+    losses = _losses(records)
+    assert losses[-1] < losses[0] - 0.2, losses
+    assert _losses(records, 1) == pytest.approx(losses, rel=1e-5)
+    result = [r for r in records if r["kind"] == "result"]
+    assert len(result) == 1 and result[0]["artifacts"]["adapter"] == "adapter"
+    fp32_bytes = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(presets["tiny-llama"]).parameters())
+    for rank in (0, 1):  # telemetry counts a bf16 base (half the fp32 bytes) plus a small fp32 adapter
+        sample = next(r for r in records if r["kind"] == "memory" and r["rank"] == rank and r["phase"] == "step")
+        assert 0.5 * fp32_bytes < sample["parameters_bytes"] < 0.55 * fp32_bytes, (rank, sample["parameters_bytes"])
+
+
 @pytest.mark.parametrize(
     "stage, offload_optimizer, offload_param, precision",
     [(2, "none", "none", "fp32"), (2, "cpu", "none", "bf16"), (3, "none", "none", "bf16"), (3, "cpu", "cpu", "fp32")],
