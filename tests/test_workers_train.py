@@ -208,3 +208,21 @@ def test_a_window_with_no_label_tokens_has_no_loss_not_zero():
     loss, tokens, input_tokens = accumulate_gradients(model, [batch], device=torch.device("cpu"), world_size=1)
     assert loss is None and tokens == 0 and input_tokens > 0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_examples_cut_before_their_labels_are_reported_once_as_a_warning(tmp_path):
+    from service.records import EventRecord
+    from workers.sink import report_to_records
+
+    chat = str(EXAMPLES / "chat.jsonl")
+    (result,) = run_local(_args(tmp_path / "short", training_path=chat, max_seq_length=24, max_steps=3))
+    metrics = [r for r in result["reports"] if r.get("kind") == "metrics"]
+    events = [e for r in metrics for e in r.get("events", [])]
+    assert len(events) == 1, events  # sent once, with the first report
+    assert events[0]["level"] == "warn" and "max_seq_length=24" in events[0]["message"]
+    assert 0 < events[0]["data"]["rows"] <= events[0]["data"]["of"]
+    records = [r for r in report_to_records([metrics[0]], None, attempt=1) if r["kind"] == "event"]
+    assert EventRecord.model_validate(records[0]).dedupe == "rows-without-labels"  # what ingest stores
+
+    (result,) = run_local(_args(tmp_path / "long", training_path=chat, max_seq_length=512, max_steps=1))
+    assert not [e for r in result["reports"] for e in r.get("events", [])]

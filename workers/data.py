@@ -177,6 +177,12 @@ def load_dataset(path: str, tokenizer, max_seq_length: int, packing: bool = Fals
     return TokenizedData(fmt=fmt, examples=examples, pad_id=pad)
 
 
+def rows_without_labels(data: TokenizedData) -> int:
+    """Examples with no label token left (e.g. the assistant's reply cut off by max_seq_length):
+    they cost a forward and backward and teach nothing."""
+    return sum(1 for _, labels in data.examples if all(t == IGNORE for t in labels[1:]))
+
+
 def pack(examples, max_seq_length: int):
     """Concatenate examples into rows of max_seq_length tokens. The first token of each example gets
     label -100 so that no position learns to predict across a document boundary."""

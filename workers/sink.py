@@ -94,6 +94,8 @@ def report_to_records(per_rank: list[dict], checkpoint_path: str | None, attempt
             records.append({"kind": "metrics", **stamp, **_clean({"rank": rank, **m}, METRIC_FIELDS)})
             for mem in m.get("memory") or []:
                 records.append({"kind": "memory", **stamp, **_clean({"rank": rank, **mem}, MEMORY_FIELDS)})
+            for ev in m.get("events") or []:
+                records.append({"kind": "event", **stamp, **_clean(ev, ("level", "message", "data", "dedupe"))})
         elif kind == "result" and m.get("result"):
             r = m["result"]
             records.append({"kind": "result", **stamp, "fine_tuned_model": r["fine_tuned_model"],

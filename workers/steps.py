@@ -293,6 +293,7 @@ class Progress:
     epoch_of: Callable[[int], float]
     trained_tokens: int = 0
     started_at: float = field(default_factory=time.perf_counter)
+    events: list[dict] = field(default_factory=list)  # job events still to send, with the next report
 
     def due_checkpoint(self, step: int) -> bool:
         return step % self.args.checkpoint_every_steps == 0 or step == self.total_steps
@@ -317,6 +318,8 @@ class Progress:
         }
         if eval_loss is not None:
             m["eval_loss"] = eval_loss
+        if self.events:
+            m["events"], self.events = self.events, []
         return m
 
     def report(self, metrics: dict, save_state: Callable[[str], None] | None) -> None:

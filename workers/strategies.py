@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from workers import checkpoint as ckpt
 from workers.args import TrainArgs
-from workers.data import StepSampler, TokenizedData, eval_batches, load_dataset, step_batches
+from workers.data import StepSampler, TokenizedData, eval_batches, load_dataset, rows_without_labels, step_batches
 from workers.models import hidden_size, load_model, load_tokenizer, resolve_model_dir
 from workers.peft_setup import apply_peft, load_qlora_base
 from workers.steps import (
@@ -52,6 +52,7 @@ class Setup:
     val: TokenizedData | None
     sampler: StepSampler
     total_steps: int
+    notices: list[dict] = field(default_factory=list)
 
 
 def prepare(args: TrainArgs, env: WorkerEnv) -> Setup:
@@ -61,7 +62,19 @@ def prepare(args: TrainArgs, env: WorkerEnv) -> Setup:
     train = load_dataset(args.training_path, tokenizer, args.max_seq_length, args.packing)
     val = load_dataset(args.validation_path, tokenizer, args.max_seq_length) if args.validation_path else None
     sampler = StepSampler(len(train), args.micro_batch_size, args.accumulation, env.world_size, args.seed)
-    return Setup(model_dir, tokenizer, train, val, sampler, sampler.total_steps(args.n_epochs, args.max_steps))
+    return Setup(model_dir, tokenizer, train, val, sampler, sampler.total_steps(args.n_epochs, args.max_steps),
+                 data_notices(args, train))
+
+
+def data_notices(args: TrainArgs, train: TokenizedData) -> list[dict]:
+    """Warnings about the training data for the job's events (rank 0 sends them with its first report)."""
+    empty = rows_without_labels(train)
+    if not empty or args.packing:
+        return []
+    return [{"level": "warn", "dedupe": "rows-without-labels", "data": {"rows": empty, "of": len(train)},
+             "message": f"{empty} of {len(train)} training examples have no label tokens within "
+                        f"max_seq_length={args.max_seq_length} (the text to learn falls after the cut): they "
+                        "add compute and no loss; raise training.hyperparameters.max_seq_length or shorten them"}]
 
 
 def build_model(args: TrainArgs, model_dir: str):
@@ -193,7 +206,7 @@ def _torch_loop(args, env, s: Setup, model, optimizer, scheduler, save_state, *,
                 offload) -> dict:
     """The loop ddp and fsdp share (they differ in how the model is wrapped, not in the step)."""
     scaler = make_grad_scaler(args.precision, env.device)
-    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at)
+    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at, events=s.notices if env.rank == 0 else [])
     start = 0
     with env.latest_checkpoint() as d:
         if d is not None:
@@ -352,7 +365,7 @@ def train_deepspeed(args: TrainArgs, env: WorkerEnv) -> dict:
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config,
         lr_scheduler=lambda opt: warmup_cosine(opt, args.warmup_steps, s.total_steps))
-    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at)
+    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at, events=s.notices if env.rank == 0 else [])
     start = 0
     with env.latest_checkpoint() as d:
         if d is not None:
