@@ -83,7 +83,10 @@ class Case:
         return {"model": f"preset:{self.family}", "training_file": "file-bench", "training": training}
 
 
-def matrix(quick: bool) -> list[Case]:
+FAMILIES = ("small-llama", "small-qwen2")
+
+
+def matrix(quick: bool, families: tuple[str, ...] = FAMILIES) -> list[Case]:
     if quick:
         return [
             Case("small-llama", 512, "none", "fp32", False, "ddp1"),
@@ -96,7 +99,7 @@ def matrix(quick: bool) -> list[Case]:
     return [
         Case(f, s, p, pr, c, st, steps=FSDP2_STEPS if st == "fsdp2" else 3)
         for f, s, p, pr, c, st in itertools.product(
-            ("small-llama", "small-qwen2"), (128, 512), ("none", "lora"), ("fp32", "bf16"), (False, True), STRATEGIES
+            families, (128, 512), ("none", "lora"), ("fp32", "bf16"), (False, True), STRATEGIES
         )
     ]
 
@@ -526,13 +529,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-every", type=int, default=10, help="with --overhead: the trace cadence to measure")
     ap.add_argument("--loaded-only", action="store_true", help="with --load: report exactly the loaded configs")
     ap.add_argument("--markdown", help="also write the per-config table as Markdown to this file")
+    ap.add_argument("--families", default=",".join(FAMILIES),
+                    help="comma-separated presets for the matrix (small-gpt2 and small-gemma exist too)")
     a = ap.parse_args(argv)
     if a.overhead:
         overhead(a.overhead_steps, trace_every=a.trace_every)
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cases = matrix(a.quick)
+    cases = matrix(a.quick, tuple(a.families.split(",")))
     if a.load and a.loaded_only:
         cases = []
         for path in a.load.split(","):

@@ -212,7 +212,9 @@ def activations(shape: ModelShape, b: int, s: int, regime: Regime, targets: set[
             n += lora_extra(["c_attn", "c_proj"])
             n += T * h * res + 2 * small  # ln_2 input
             n += linear_input(res if not regime.casts else 4, ["c_fc"], h)
-            n += 5 * T * i * a if full else 4 * T * i * a  # gelu_new's python ops keep x, tanh, 0.5x, 1+tanh
+            # gelu_new's python ops keep x, tanh, 0.5x, 1+tanh; mlp.c_proj keeps the product when it trains
+            # or carries an adapter ("c_proj" adapts both projections)
+            n += 4 * T * i * a + (T * i * a if trainable("c_proj") or trainable("mlp.c_proj") else 0)
             n += weight_casts(list(shape.linear_shapes()))
         else:
             norm_in = T * h * 4  # RMSNorm's fp32 view of its input, kept by pow

@@ -88,3 +88,21 @@ def test_llama2_7b_count():
     cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000, "tie_word_embeddings": False}
     assert shape_from_config(cfg).parameter_count() == 6_738_415_616
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+def test_every_family_the_planner_reads_has_automatic_lora_targets_and_they_match(name):
+    """target_modules "auto" adapts, in the worker, exactly what the planner counts for it."""
+    pytest.importorskip("peft")
+    from service.modelshape import SUPPORTED
+    from service.planner import _lora_targets
+    from service.spec import JobSpec
+    from workers.peft_setup import AUTO_TARGETS, apply_peft
+
+    assert SUPPORTED <= set(AUTO_TARGETS)
+    cfg = FAMILY_CONFIGS[name]
+    model = apply_peft(_meta_model(cfg), "lora", r=4)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shape = shape_from_config(cfg)
+    spec = JobSpec.model_validate({"model": "x/y", "training_file": "file-1", "training": {"peft": {"method": "lora", "r": 4}}})
+    assert trainable == shape.lora_params(4, sorted(_lora_targets(spec, shape)))

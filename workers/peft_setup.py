@@ -8,14 +8,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # The attention projections per model family: what "auto" adapts.
-AUTO_TARGETS = {
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "gpt2": ["c_attn", "c_proj"],
-}
+# Every family the planner reads (service/modelshape.py) has one here.
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+AUTO_TARGETS = {**{f: ["q_proj", "k_proj", "v_proj", "o_proj"] for f in _LLAMA_LIKE}, "gpt2": ["c_attn", "c_proj"]}
 # IA3 also scales the MLP's down projection, which it then treats as a feed-forward module.
-AUTO_FEEDFORWARD = {"llama": ["down_proj"], "qwen2": ["down_proj"], "mistral": ["down_proj"], "gpt2": ["c_fc"]}
+AUTO_FEEDFORWARD = {**{f: ["down_proj"] for f in _LLAMA_LIKE}, "gpt2": ["c_fc"]}
 MERGEABLE = {"lora", "qlora", "ia3", "loha", "lokr"}
 
 

@@ -83,6 +83,8 @@ def build_model(args: TrainArgs, model_dir: str):
         model = load_qlora_base(model_dir, args.attention)
     else:
         model = load_model(model_dir, args.attention)
+    # Training never reads a KV cache; left on, GPT-2 keeps a copy of every block's keys and values.
+    model.config.use_cache = False
     if args.gradient_checkpointing:
         enable_checkpointing(model)
     if args.qat_enabled:
