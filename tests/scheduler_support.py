@@ -118,3 +118,27 @@ def own_database(pg_url: str):
                 admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
 
     return _cm()
+
+
+def app_without_ray(pg_url: str, storage: Path):
+    """The app on its own migrated database with a Scheduler whose Ray address never answers: its
+    claims hand out attempts and ingest tokens, nothing is submitted. Yields (app, client, scheduler)."""
+    from contextlib import contextmanager
+
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from service.scheduler import RayJobs, Scheduler
+
+    @contextmanager
+    def _cm():
+        with own_database(pg_url) as url:
+            migrated(url)
+            settings = settings_for(url, storage)
+            app = create_app(settings)
+            sched = Scheduler(app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))
+            with TestClient(app) as client:
+                yield app, client, sched
+            app.state.engine.dispose()
+
+    return _cm()

@@ -7,13 +7,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 
-from api.app import create_app
 from service.models import Job
 from service.raycluster import free_port
-from service.scheduler import RayJobs, Scheduler
-from tests.scheduler_support import LiveServer, create_job, migrated, new_key, own_database, settings_for, upload
+from tests.scheduler_support import LiveServer, app_without_ray, create_job, new_key, upload
 from workers.sink_http import HttpSink
 
 INGEST = "/v1/internal/jobs/{}/ingest"
@@ -22,15 +19,10 @@ INGEST = "/v1/internal/jobs/{}/ingest"
 @pytest.fixture(scope="module")
 def env(pg_url, tmp_path_factory):
     # Its own database: the scheduler's validate/claim batches must see only this module's jobs,
-    # whatever other modules left queued in the session's database.
-    with own_database(pg_url) as url:
-        migrated(url)
-        settings = settings_for(url, tmp_path_factory.mktemp("storage"))
-        app = create_app(settings)
-        # The scheduler's claim gives each job its attempt and ingest token; Ray is never reached here.
-        sched = Scheduler(app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))
-        with TestClient(app) as client:
-            yield app, client, sched
+    # whatever other modules left queued in the session's database. The scheduler's claim gives each
+    # job its attempt and ingest token; Ray is never reached here.
+    with app_without_ray(pg_url, tmp_path_factory.mktemp("storage")) as stack:
+        yield stack
 
 
 def running_job(env) -> tuple[str, str, str]:

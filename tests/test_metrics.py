@@ -8,13 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
 from service.models import File
-from service.scheduler import RayJobs, Scheduler
-from tests.scheduler_support import create_job, migrated, new_key, own_database, settings_for, upload
+from tests.scheduler_support import app_without_ray, create_job, new_key, upload
 
 
 def scrape(client) -> dict[str, dict[tuple, float]]:
@@ -30,14 +27,9 @@ def scrape(client) -> dict[str, dict[tuple, float]]:
 
 @pytest.fixture(scope="module")
 def env(pg_url, tmp_path_factory):
-    with own_database(pg_url) as url:  # exact job counts: nobody else's jobs in this database
-        migrated(url)
-        settings = settings_for(url, tmp_path_factory.mktemp("storage"))
-        app = create_app(settings)
-        sched = Scheduler(app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))
-        with TestClient(app) as client:
-            yield app, client, sched
-        app.state.engine.dispose()
+    # exact job counts: nobody else's jobs in this database
+    with app_without_ray(pg_url, tmp_path_factory.mktemp("storage")) as stack:
+        yield stack
 
 
 def test_metrics_expose_the_named_series_with_real_values(env):
