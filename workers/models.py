@@ -3,21 +3,23 @@
 Presets are random-init models built from the config dicts in service/presets.py, with a byte-level
 BPE tokenizer trained in-process to exactly ``vocab_size`` tokens. A built preset is cached on disk
 (``MEMFIT_PRESET_CACHE`` or ~/.cache/memfit/presets) so every rank and every later run loads the
-same weights; the build is seeded and guarded by a file lock so concurrent ranks agree.
+same weights; the build is seeded and published atomically (workers/published.py), so concurrent
+ranks, jobs and nodes agree and a crashed build never leaves a folder that looks finished.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 from service.presets import preset_config, preset_name
+from workers.published import publish_once
 
+# Bumped whenever _write_preset changes what it writes, so that old cache entries are not reused.
+PRESET_BUILD_VERSION = 2
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 # The default chat template when a tokenizer ships none: role tag, newline, content, end tag.
 DEFAULT_CHAT_TEMPLATE = (
@@ -83,36 +85,47 @@ def train_tokenizer(vocab_size: int, max_length: int):
     return fast
 
 
+def preset_key(cfg: dict) -> str:
+    """The cache key of a preset: its config, and the version of the build that turns it into files."""
+    blob = json.dumps({"config": cfg, "build": PRESET_BUILD_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
 def build_preset(model: str, cache_dir: Path | None = None) -> Path:
-    """Build (once) and return the directory of a preset model with its tokenizer."""
+    """The directory of a preset model with its tokenizer, built on first use.
+
+    Any number of ranks, jobs and nodes may ask at once: the build is published atomically (see
+    workers/published.py) and a half-built or foreign folder at the target is replaced, so a crash
+    or a stray write never poisons the cache. The build is seeded, so every builder writes the same
+    weights and tokenizer."""
+    cfg = preset_config(model)
+    target = Path(cache_dir or preset_cache_dir()) / f"{preset_name(model)}-{preset_key(cfg)}"
+    return publish_once(target, preset_key(cfg), lambda tmp: _write_preset(cfg, tmp))
+
+
+def _write_preset(cfg: dict, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = preset_config(model)
-    key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:10]
-    root = Path(cache_dir or preset_cache_dir())
-    target = root / f"{preset_name(model)}-{key}"
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").exists():
-            return target
-        tmp = root / f".{target.name}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        max_len = int(cfg.get("max_position_embeddings", cfg.get("n_positions", 1024)))
-        tokenizer = train_tokenizer(int(cfg["vocab_size"]), max_len)
-        config = AutoConfig.for_model(**cfg)
-        config.pad_token_id = tokenizer.pad_token_id
-        config.bos_token_id = tokenizer.bos_token_id
-        config.eos_token_id = tokenizer.eos_token_id
-        torch.manual_seed(0)
-        net = AutoModelForCausalLM.from_config(config)
-        net.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    return target
+    max_len = int(cfg.get("max_position_embeddings", cfg.get("n_positions", 1024)))
+    tokenizer = train_tokenizer(int(cfg["vocab_size"]), max_len)
+    config = AutoConfig.for_model(**cfg)
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(config)
+    # transformers 5's save_pretrained writes nothing but the folder on a process whose
+    # torch.distributed rank is not 0 (PreTrainedModel.should_save_on_this_rank), and a Ray Train
+    # worker has its process group up before it builds the preset: the rank that won the build would
+    # publish a folder holding only the tokenizer's files. This build is not a distributed
+    # checkpoint — whichever rank builds it must write all of it.
+    net.should_save_on_this_rank = lambda is_main_process: True
+    net.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    missing = [name for name in ("config.json", "model.safetensors", "tokenizer.json") if not (out / name).is_file()]
+    if missing:  # never seal (and so publish) an incomplete build
+        raise ModelSourceError(f"building {out.name} wrote no {', '.join(missing)}")
 
 
 def resolve_model_dir(model: str, model_path: str | None = None) -> str:
