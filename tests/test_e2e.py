@@ -330,23 +330,22 @@ def test_killed_training_worker_resumes_from_checkpoint(stack, ray_head):
     assert restarts, [e["message"] for e in events]
     # Ingest is idempotent by (attempt, rank, step): each step is one event however often it was reported.
     assert stack.metrics_steps(job_id) == list(range(1, 31))
-    # The JSON-lines sink keeps every report in order: after the restart, training continued from
-    # a checkpointed step (never from step 1 again) and reached the end.
+    # The restarted worker group says where it resumed: a checkpointed step, never step 0 again.
+    checkpointed = {c["step_number"] for c in stack.http.get(
+        f"/v1/fine_tuning/jobs/{job_id}/checkpoints?limit=100", headers=stack.auth).json()["data"]}
+    resumed = [e["data"]["step"] for e in events if e["message"].startswith("Resumed from the checkpoint of step")]
+    assert resumed, [e["message"] for e in events]
+    assert all(step in checkpointed and step >= first_ckpt for step in resumed), (resumed, checkpointed)
+    # The JSON-lines sink keeps every report in order: after the last resume, training went on from
+    # the step after it to the end, one step at a time.
     import json
 
     records = [json.loads(line) for line in
                (Path(stack.settings.storage_dir) / "jobs" / job_id / "metrics-attempt-1.jsonl").read_text().splitlines()]
-    # The restart: the first report whose step does not follow the one before it.
-    rank0 = [i for i, r in enumerate(records) if r.get("kind") == "metrics" and r.get("rank") == 0]
-    failed_at = next((rank0[k] for k in range(1, len(rank0))
-                      if records[rank0[k]]["step"] != records[rank0[k - 1]]["step"] + 1), rank0[-1] + 1)
-    before = [r["step"] for r in records[:failed_at] if r.get("kind") == "metrics" and r.get("rank") == 0]
-    after = [r["step"] for r in records[failed_at:] if r.get("kind") == "metrics" and r.get("rank") == 0]
-    checkpointed = {c["step_number"] for c in stack.http.get(
-        f"/v1/fine_tuning/jobs/{job_id}/checkpoints?limit=100", headers=stack.auth).json()["data"]}
-    if after:  # (a kill right after a checkpoint's report leaves no visible jump: nothing to check)
-        assert after[0] > 1 and after[0] - 1 in checkpointed, (before, after, checkpointed)
-        assert after[0] <= max(before) + 1 and after[-1] == 30, (before, after)
+    rank0 = [r["step"] for r in records if r.get("kind") == "metrics" and r.get("rank") == 0]
+    last = max(resumed)
+    tail = rank0[len(rank0) - 1 - rank0[::-1].index(last + 1):]
+    assert tail == list(range(last + 1, 31)), rank0
     with stack.app.state.sessions() as s:
         assert s.get(Job, job_id).attempt == 1  # Ray's own restart, not a new memfit attempt
     assert list(stack.ray.submissions_of(job_id)) == [submission_id(job_id, 1)]

@@ -295,6 +295,13 @@ class Progress:
     started_at: float = field(default_factory=time.perf_counter)
     events: list[dict] = field(default_factory=list)  # job events still to send, with the next report
 
+    def resumed(self, step: int, trained_tokens: int) -> None:
+        """Training continues after the checkpoint of ``step``: say so in the job's events (rank 0)."""
+        self.trained_tokens = trained_tokens
+        if self.env.rank == 0:
+            self.events.append({"level": "info", "dedupe": f"resumed:{step}", "data": {"step": step},
+                                "message": f"Resumed from the checkpoint of step {step}"})
+
     def due_checkpoint(self, step: int) -> bool:
         return step % self.args.checkpoint_every_steps == 0 or step == self.total_steps
 

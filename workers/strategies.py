@@ -213,7 +213,8 @@ def _torch_loop(args, env, s: Setup, model, optimizer, scheduler, save_state, *,
     with env.latest_checkpoint() as d:
         if d is not None:
             meta = ckpt.load_torch_state(d, model, optimizer, scheduler, rank=env.rank, trainable_only=args.is_peft)
-            start, progress.trained_tokens = meta["step"], meta.get("trained_tokens", 0)
+            start = meta["step"]
+            progress.resumed(start, meta.get("trained_tokens", 0))
     tel = make_telemetry(args, env, model, optimizer, strategy, offload)
     model.train()
     for step in range(start + 1, s.total_steps + 1):
@@ -374,7 +375,8 @@ def train_deepspeed(args: TrainArgs, env: WorkerEnv) -> dict:
             engine.load_checkpoint(str(Path(d) / "deepspeed"), tag=ckpt.DS_TAG)
             ckpt.load_rng(d, env.rank)
             meta = ckpt.read_meta(d)
-            start, progress.trained_tokens = meta["step"], meta.get("trained_tokens", 0)
+            start = meta["step"]
+            progress.resumed(start, meta.get("trained_tokens", 0))
 
     def save_state(d: str, step: int) -> None:
         engine.save_checkpoint(str(Path(d) / "deepspeed"), tag=ckpt.DS_TAG, save_latest=False)
