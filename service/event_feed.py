@@ -3,9 +3,13 @@
 The SSE route (api/routes/stream.py) calls :func:`poll` from a thread, once per poll interval per
 *job* (not per client): one shared poller per job fans the rows out to every open stream.
 
-Why ``id > cursor`` has no gap: every write of a job's events holds the job's row lock until it
-commits (ingest takes ``SELECT … FOR UPDATE`` on the job, status changes UPDATE the job row in the
-same transaction as their event), so a job's event ids become visible in increasing order.
+Why ``id > cursor`` has no gap: every write of a job's events holds the job's row lock from before
+its first insert until it commits — :func:`service.jobs.add_event` and ``add_events`` take it
+themselves (:func:`service.jobs.lock_job_events`), :func:`service.states.transition` holds it by its
+UPDATE of the job row, ingest by its ``SELECT … FOR UPDATE`` — so the writers of one job take turns
+and its event ids become visible in increasing order: the ids a poll sees are always every id up to
+the largest it sees. (Without the lock, an id handed out earlier could commit later, after a reader
+had moved its cursor past it; tests/test_event_order.py races such writers.)
 """
 
 from __future__ import annotations

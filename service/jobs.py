@@ -345,6 +345,27 @@ def update_job(session: Session, job_id: str, *, expected_attempt: int | None = 
     return job
 
 
+def lock_job_events(session: Session, job_id: str) -> None:
+    """Take ``job_id``'s row lock for the rest of the transaction, before any of its events get an id.
+
+    Why: an SSE stream or a page follows ``id > cursor``. Postgres hands out ``job_events.id`` when a
+    row is inserted, not when it commits, so two writers of one job's events could commit ids out of
+    order (15 visible before 14), and a reader that saw 15 would never deliver 14. With every writer
+    of a job's events holding the job's row lock from before its first insert until it commits, the
+    writers of one job take turns: the next one gets its ids only after the previous one committed
+    (Postgres makes a commit visible before it releases the row lock), so the ids a reader can see are
+    always a prefix of the job's ids in commit order.
+
+    ``FOR NO KEY UPDATE`` is the lock an ``UPDATE jobs …`` (``transition``, the scheduler's field
+    updates) takes anyway and conflicts with ingest's ``FOR UPDATE``, yet not with the ``KEY SHARE``
+    that foreign-key checks (checkpoints, memory samples) take, so it orders event writers and nothing
+    else. Taking it again in the same transaction is free. SQLite needs nothing: it lets one writer at
+    a time in and hands out the ids under that write lock.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(Job.id).where(Job.id == job_id).with_for_update(key_share=True))
+
+
 def add_event(
     session: Session,
     job_id: str,
@@ -357,7 +378,9 @@ def add_event(
     dedupe_key: str | None = None,
     created_at: datetime | None = None,
 ) -> bool:
-    """Append an event; with ``dedupe_key`` a repeated key for the job is ignored. Returns whether it was stored."""
+    """Append an event; with ``dedupe_key`` a repeated key for the job is ignored. Returns whether it was stored.
+
+    Holds the job's row lock until the caller commits (:func:`lock_job_events`): ids commit in order."""
     row = {
         "job_id": job_id,
         "message": message,
@@ -368,11 +391,14 @@ def add_event(
         "dedupe_key": dedupe_key,
         "created_at": created_at or utcnow(),
     }
+    lock_job_events(session, job_id)
     return insert_ignoring_conflicts(session, JobEvent, [row], ["job_id", "dedupe_key"]) == 1
 
 
 def add_events(session: Session, job_id: str, events: Iterable[dict[str, Any]]) -> int:
-    """Bulk add_event: dicts with add_event's keyword names. Returns how many were new."""
+    """Bulk add_event: dicts with add_event's keyword names. Returns how many were new.
+
+    Holds the job's row lock until the caller commits, like add_event."""
     now = utcnow()
     rows = [
         {
@@ -387,6 +413,9 @@ def add_events(session: Session, job_id: str, events: Iterable[dict[str, Any]]) 
         }
         for e in events
     ]
+    if not rows:
+        return 0
+    lock_job_events(session, job_id)
     return insert_ignoring_conflicts(session, JobEvent, rows, ["job_id", "dedupe_key"])
 
 

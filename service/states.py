@@ -5,6 +5,11 @@ Every status change in memfit goes through :func:`transition`. It is a single co
 same job cannot both win, a terminal status never changes (no move leaves one), and a late writer
 holding an old attempt number (a zombie worker, a scheduler that lost its lease) gets
 :class:`StaleAttempt` instead of overwriting newer state.
+
+The UPDATE also takes the job's row lock, which the transaction holds until it commits, and the
+status event is inserted only after it: like every writer of job events (service.jobs.lock_job_events),
+a transition gets its event id only once the job's previous event writer has committed, so a job's
+event ids commit in increasing order and a stream following ``id > cursor`` never skips one.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ def transition(
         raise InvalidTransition(job_id, job.status, to.value)
     job = session.get(Job, job_id, populate_existing=True)
     if event:
+        # Added after the UPDATE above, which holds the job's row lock: the id comes in commit order.
         data = {"status": to.value, **(event_data or {})}
         session.add(
             JobEvent(

@@ -10,9 +10,11 @@ import time
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from api.app import create_app
 from api.routes.stream import StreamHub
+from service.jobs import add_event
 from service.scheduler import RayJobs, Scheduler
 from tests.scheduler_support import LiveServer, create_job, migrated, new_key, own_database, settings_for, upload
 
@@ -71,10 +73,11 @@ def listed_ids(server, key, job_id) -> list[int]:
         return sorted(int(e["id"].removeprefix("ftevent-")) for e in r.json()["data"])
 
 
-def read_sse(server, path, key, *, headers=None, params=None, stop_after=None, timeout=60.0):
+def read_sse(server, path, key, *, headers=None, params=None, stop_after=None, timeout=60.0, into=None):
     """Read an SSE response into ([(id, data)], end_status or None, comments). Stops at `event: end`,
-    at the end of the response, or once `stop_after(messages)` is true (then it disconnects)."""
-    messages, comments, end = [], [], None
+    at the end of the response, or once `stop_after(messages)` is true (then it disconnects).
+    With ``into`` (a list), messages are appended to it as they arrive."""
+    messages, comments, end = (into if into is not None else []), [], None
     hdrs = {"Authorization": f"Bearer {key}", **(headers or {})}
     with httpx.Client(base_url=server.url, timeout=timeout) as c, c.stream("GET", path, headers=hdrs, params=params) as r:
         assert r.status_code == 200, r.read()
@@ -207,3 +210,52 @@ def test_stream_is_tenant_scoped_and_validates_the_cursor(env):
         # The dashboard's cookie authenticates the stream too (EventSource cannot send headers).
         r = c.get(stream_path(job_id), cookies={"memfit_key": other})
         assert r.status_code == 404
+
+
+def test_an_event_held_open_by_one_writer_is_streamed_before_a_later_one(env):
+    """The scheduler writes an event and keeps its transaction open; meanwhile the user cancels the
+    job over HTTP (the cancel's status event is the job's last). The stream delivers both, the
+    scheduler's first, then ends. Before event writers took the job's row lock, the cancel committed
+    a larger id first, the stream's cursor passed the scheduler's id and the stream ended without it."""
+    server, _, app = env
+    job_id, _, key = running_job(env)
+    streamed: list = []
+    outcome: dict = {}
+    reader = threading.Thread(target=lambda: outcome.update(end=read_sse(server, stream_path(job_id), key,
+                                                                          into=streamed)[1]))
+    reader.start()
+    deadline = time.monotonic() + 60  # hang guards below, not timing assertions
+    while not streamed:  # the stream has replayed the job's events so far: its feed is live
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    held = app.state.sessions()
+    add_event(held, job_id, "Submitted to Ray as memfit-held-1", attempt=1)
+    held.flush()
+    held_id = held.scalar(text("SELECT max(id) FROM job_events WHERE job_id = :j"), {"j": job_id})
+    cancelled: dict = {}
+
+    def cancel():
+        with server.client() as c:
+            cancelled["status"] = c.post(f"/v1/fine_tuning/jobs/{job_id}/cancel",
+                                         headers={"Authorization": f"Bearer {key}"}).status_code
+
+    canceller = threading.Thread(target=cancel)
+    canceller.start()
+    # Until the cancel is either streamed (it did not wait for the open transaction) or blocked on its lock.
+    while not any(d["data"].get("status") == "cancelled" for _, d in streamed if d.get("data")):
+        with app.state.read_sessions() as s:
+            if s.scalar(text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                             "AND wait_event_type = 'Lock'")):
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    held.commit()
+    held.close()
+    canceller.join(60)
+    reader.join(60)
+    assert not reader.is_alive() and cancelled["status"] == 200
+    assert outcome["end"] == "cancelled"
+    ids = [i for i, _ in streamed]
+    assert held_id in ids, f"event {held_id} was never streamed: {ids}"
+    assert ids == listed_ids(server, key, job_id)  # every event, once, in order
+    assert streamed[-1][1]["data"]["status"] == "cancelled"

@@ -180,17 +180,39 @@ def test_checkpoint_holds_the_step_and_resumes_there(tmp_path):
         assert second[step] == pytest.approx(first[step], rel=1e-5)
 
 
-def test_qat_trains_with_fake_quantization_and_exports_plain_weights(tmp_path):
-    """torchao QAT (int8 dynamic activations, int4 grouped weights) under ddp: the loss falls and
-    the exported model is a stock transformers model with the trained weights."""
+@pytest.mark.parametrize("scheme", ["int8-dynamic-act-int4-weight", "int4-weight-only"])
+def test_qat_trains_through_fake_quantization_and_exports_the_quantised_weights(tmp_path, scheme):
+    """torchao QAT under ddp, per training.qat.scheme: the loss falls; the first step's loss is the
+    fake-quantised model's (this scheme's), not the float model's, so the loop trained through the
+    fake quantizers; the export is a stock transformers model whose every linear weight lies on the
+    int4 grid per group of 16 (scale × int in [-8, 7]) — the quantised weights, not the float ones."""
     from transformers import AutoModelForCausalLM
 
-    args = _args(tmp_path, qat_enabled=True, qat_group_size=16, max_steps=10)
+    from tests.test_qat import assert_on_int4_grid
+    from workers.data import step_batches
+    from workers.models import load_model
+    from workers.steps import WorkerEnv, accumulate_gradients
+    from workers.strategies import build_model, prepare
+
+    args = _args(tmp_path, qat_enabled=True, qat_scheme=scheme, qat_group_size=16, max_steps=10)
     (result,) = run_local(args)
     losses = _losses(result["reports"])
     assert losses[-1] < 0.7 * losses[0], losses
+
+    s = prepare(args, WorkerEnv.local("cpu"))
+    first_batch = step_batches(s.train, s.sampler, 0, 0)
+    cpu = torch.device("cpu")
+    fake_quantised, _, _ = accumulate_gradients(build_model(args, s.model_dir), first_batch, device=cpu, world_size=1)
+    float_loss, _, _ = accumulate_gradients(load_model(s.model_dir), first_batch, device=cpu, world_size=1)
+    assert losses[0] == pytest.approx(fake_quantised, rel=1e-6)
+    assert abs(fake_quantised - float_loss) > 1e-6 * float_loss
+
     model = AutoModelForCausalLM.from_pretrained(Path(args.output_dir) / "model")
-    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert len(linears) == 2 * 7 + 1  # every projection of both layers, and lm_head
+    for name, m in linears.items():
+        assert type(m) is torch.nn.Linear, name
+        assert_on_int4_grid(name, m.weight.detach(), 16)
 
 
 def test_a_window_with_no_label_tokens_has_no_loss_not_zero():

@@ -46,6 +46,7 @@ class TrainArgs:
     ds_offload_param: str = "none"
     ds_reduce_bucket_elements: int | None = None
     qat_enabled: bool = False
+    qat_scheme: str = "int8-dynamic-act-int4-weight"  # workers.strategies.qat_base_config
     qat_group_size: int = 32
     pipeline_schedule: str = "1f1b"
     pipeline_microbatches: int = 4
@@ -109,6 +110,7 @@ def train_args(req: RunRequest, fail_at: str | None = None) -> TrainArgs:
         ds_offload_param=t.deepspeed.offload_param,
         ds_reduce_bucket_elements=t.deepspeed.reduce_bucket_elements,
         qat_enabled=t.qat.enabled,
+        qat_scheme=t.qat.scheme,
         qat_group_size=t.qat.group_size,
         pipeline_schedule=t.pipeline.schedule,
         pipeline_microbatches=t.pipeline.microbatches,

@@ -115,7 +115,9 @@ def load_torch_state(d: str, model, optimizer, scheduler, *, rank: int, trainabl
 def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenizer) -> dict[str, str]:
     """Rank 0: rebuild the model on CPU from the base, load the trained state and save it in
     Hugging Face format — the adapter (+ merged model where the method allows) or the full model,
-    each with the tokenizer. Rebuilding keeps the export independent of how training sharded it."""
+    each with the tokenizer. Rebuilding keeps the export independent of how training sharded it.
+    After QAT, ``state_dict`` already holds the quantised weights (workers.strategies.qat_export: scale
+    × int4 value per group in every quantised linear), so ``model/`` is a stock checkpoint of them."""
     from workers.models import load_model
     from workers.peft_setup import MERGEABLE, apply_peft, merge_adapter
 
