@@ -148,6 +148,7 @@ def test_auto_creates_the_job_with_the_cheapest_fix_applied_and_an_event(client,
     r = create_job(tenant, **full_7b(memory_policy="auto"))
     assert r.status_code == 200, r.text
     job = r.json()
+    assert first["spec_changes"]
     for dotted, value in first["spec_changes"].items():
         node = {"training": job["training"]}
         for key in dotted.split("."):

@@ -142,10 +142,11 @@ def test_job_page_of_a_real_job_shows_its_charts(browser, stack, real_job, artif
             assert cats == ["parameters", "gradients", "optimizer_states", "activations", "temporary", "total"]
             measured = {c: rows.nth(i).get_attribute("data-measured") for i, c in enumerate(cats)}
             assert int(measured["parameters"]) > 0 and int(measured["total"]) > 0
-            if page.locator("#no-plan").count() == 0:  # the planner predicted this job: side by side, with the error
-                predicted = {c: rows.nth(i).get_attribute("data-predicted") for i, c in enumerate(cats)}
-                assert int(predicted["parameters"]) > 0 and int(predicted["total"]) > 0
-                assert rows.nth(0).locator("td").nth(3).inner_text().endswith("%")
+            # The planner predicted this preset job: side by side, with the error.
+            assert page.locator("#no-plan").count() == 0
+            predicted = {c: rows.nth(i).get_attribute("data-predicted") for i, c in enumerate(cats)}
+            assert int(predicted["parameters"]) > 0 and int(predicted["total"]) > 0
+            assert rows.nth(0).locator("td").nth(3).inner_text().endswith("%")
 
         # Checkpoints and artifacts with working download links.
         assert page.locator("#checkpoints tbody tr").count() == 2
@@ -234,22 +235,22 @@ def test_jobs_list_filter_and_planner_page(browser, stack, real_job, artifacts_d
         page.click("#plan-submit")
         page.wait_for_load_state()
         page.screenshot(path=str(artifacts_dir / "planner-page.png"), full_page=True)
-        if page.locator("#plan-unavailable").count() == 0:
-            rows = page.locator("#plan-table tr.plan-row")
-            assert rows.count() == 6
-            total = page.locator("#plan-table tr.plan-row[data-category=total]").get_attribute("data-bytes")
-            assert int(total) > 0
-            assert "fits" in page.locator("#plan-result h2").inner_text()
-            # Llama-2-7B, full fine-tune in fp32 on an A100-40GB: does not fit; the page lists what would.
-            page.fill("input[name=model]", "meta-llama/Llama-2-7b-hf")
-            page.select_option("select[name=peft]", "none")
-            page.select_option("select[name=precision]", "fp32")
-            page.fill("input[name=micro_batch_size]", "1")
-            page.click("#plan-submit")
-            page.wait_for_load_state()
-            assert "does not fit" in page.locator("#plan-result h2").inner_text()
-            assert page.locator("#suggestions li").count() > 0
-            page.screenshot(path=str(artifacts_dir / "planner-does-not-fit.png"), full_page=True)
+        assert page.locator("#plan-unavailable").count() == 0  # the planner answers for a preset
+        rows = page.locator("#plan-table tr.plan-row")
+        assert rows.count() == 6
+        total = page.locator("#plan-table tr.plan-row[data-category=total]").get_attribute("data-bytes")
+        assert int(total) > 0
+        assert "fits" in page.locator("#plan-result h2").inner_text()
+        # Llama-2-7B, full fine-tune in fp32 on an A100-40GB: does not fit; the page lists what would.
+        page.fill("input[name=model]", "meta-llama/Llama-2-7b-hf")
+        page.select_option("select[name=peft]", "none")
+        page.select_option("select[name=precision]", "fp32")
+        page.fill("input[name=micro_batch_size]", "1")
+        page.click("#plan-submit")
+        page.wait_for_load_state()
+        assert "does not fit" in page.locator("#plan-result h2").inner_text()
+        assert page.locator("#suggestions li").count() > 0
+        page.screenshot(path=str(artifacts_dir / "planner-does-not-fit.png"), full_page=True)
     finally:
         context.close()
 

@@ -79,6 +79,7 @@ def test_export_holds_the_weights_the_fake_quantised_forward_used(tmp_path, sche
             if hasattr(m, "weight_fake_quantizer")}
     shadow = {n: model.get_submodule(n).weight.detach().clone() for n in fake}
     qat_export(model, args.qat_scheme, args.qat_group_size)
+    assert len(fake) == 2 * 7 + 1
     for name, want in fake.items():
         m = model.get_submodule(name)
         assert type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter, name
