@@ -97,7 +97,7 @@ class Integration(Strict):
     """OpenAI's integration object. memfit stores and echoes it; it has no network to send runs to W&B."""
 
     type: Literal["wandb"] = Field(..., description="The only integration OpenAI defines.")
-    wandb: WandbIntegration
+    wandb: WandbIntegration = Field(..., description="Where OpenAI would send the run's metrics.")
 
 
 # --- memfit's extension: `training` -----------------------------------------------------------
