@@ -118,7 +118,15 @@ def _spec_view(job_id: str, spec_json: str) -> tuple[HyperparametersPublic, list
     hp = HyperparametersPublic(
         n_epochs=r.n_epochs, batch_size=r.global_batch_size, learning_rate_multiplier=r.learning_rate_multiplier
     )
-    return hp, spec.integrations, spec.training.model_dump(mode="json")
+    integrations = [i.model_dump(mode="json") for i in spec.integrations] if spec.integrations is not None else None
+    return hp, integrations, spec.training.model_dump(mode="json")
+
+
+def method_public(hp: HyperparametersPublic) -> dict[str, Any]:
+    """OpenAI's `method`, with the numbers used where the body said 'auto' (as OpenAI answers it).
+    Every key the SDK's Method declares is present; only supervised jobs exist."""
+    return {"type": "supervised", "supervised": {"hyperparameters": hp.model_dump()},
+            "dpo": None, "reinforcement": None}
 
 
 def job_public(job: Job) -> JobPublic:
@@ -141,7 +149,7 @@ def job_public(job: Job) -> JobPublic:
         suffix=job.suffix,
         trained_tokens=job.trained_tokens,
         hyperparameters=hp,
-        method={"type": "supervised", "supervised": {"hyperparameters": hp.model_dump()}},
+        method=method_public(hp),
         metadata=job.metadata_,
         integrations=integrations,
         status=job.status,
@@ -186,8 +194,26 @@ class CheckpointPublic(BaseModel):
     attempt: int
 
 
+# The metrics OpenAI's checkpoint object declares (FineTuningJobCheckpoint.Metrics); the ones memfit
+# does not measure are null. The workers report `loss` and `eval_loss`: OpenAI calls them
+# train_loss and valid_loss.
+CHECKPOINT_METRICS = ("step", "train_loss", "train_mean_token_accuracy", "valid_loss", "valid_mean_token_accuracy",
+                      "full_valid_loss", "full_valid_mean_token_accuracy")
+_OPENAI_NAMES = {"loss": "train_loss", "eval_loss": "valid_loss"}
+
+
+def checkpoint_metrics(step: int, measured: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = dict.fromkeys(CHECKPOINT_METRICS)
+    out.update(measured or {})
+    for ours, theirs in _OPENAI_NAMES.items():
+        if out.get(theirs) is None and out.get(ours) is not None:
+            out[theirs] = out[ours]
+    out["step"] = step
+    return out
+
+
 def checkpoint_public(c: Checkpoint) -> CheckpointPublic:
     return CheckpointPublic(
         id=c.id, created_at=ts(c.created_at), fine_tuned_model_checkpoint=c.path, fine_tuning_job_id=c.job_id,
-        step_number=c.step, metrics={"step": c.step, **(c.metrics or {})}, attempt=c.attempt,
+        step_number=c.step, metrics=checkpoint_metrics(c.step, c.metrics), attempt=c.attempt,
     )

@@ -36,7 +36,7 @@ from service.files import get_file
 from service.models import MEMORY_BYTE_COLUMNS, Checkpoint, IdempotencyKey, Job, JobEvent, MemorySample, new_id, utcnow
 from service.presets import PRESETS, preset_name
 from service.settings import Settings
-from service.spec import JobSpec, SpecError, validate_spec
+from service.spec import JobSpec, SpecError, derive, validate_spec
 from service.states import JobStatus, transition
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
@@ -196,14 +196,17 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
         resolve_model(spec.model, settings)
     except ValueError as exc:
         raise SpecInvalid([{"param": "model", "message": str(exc), "code": "invalid_model"}]) from None
+    files = {}
     for param in ("training_file", "validation_file"):
         file_id = getattr(spec, param)
         if file_id is not None:
-            f = get_file(session, principal, file_id, param=param)
+            f = files[param] = get_file(session, principal, file_id, param=param)
             if f.purpose != "fine-tune" or f.status != "processed":
                 raise UnprocessableEntity(f"file {file_id} is not a processed fine-tune file", param=param)
-    if spec.seed is None:
-        spec = spec.model_copy(update={"seed": secrets.randbelow(2**31)})
+    # OpenAI's hyperparameters → memfit's, written into the spec (service/spec.py: derive), so the stored
+    # spec is what the planner plans and the workers run; each value filled in becomes an event below.
+    derived = derive(spec, training_examples=files["training_file"].rows, seed=secrets.randbelow(2**31))
+    spec = derived.spec
     # Memory pre-flight (issue 5, service/memory.py): memory_policy=reject raises DoesNotFit (422
     # insufficient_memory), auto returns the spec with the cheapest fitting change, ignore the spec as given.
     from service import memory
@@ -227,6 +230,8 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
     session.add(job)
     session.flush()
     add_event(session, job.id, f"Validating training file: {spec.training_file}", attempt=0, created_at=job.created_at)
+    for d in derived.derivations:
+        add_event(session, job.id, d.message, level=d.level, data=d.data, attempt=0)
     memory.record_preflight(session, job, preflight)  # jobs.plan, the memory summary, the pre-flight's event
     return job
 

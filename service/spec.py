@@ -4,10 +4,16 @@ The body is OpenAI's fine-tuning create body (``model``, ``training_file``, ``me
 extension object, ``training``, that carries every memfit knob. Every field has a default, a
 description and bounds; rules that involve several fields are collected by :func:`check_rules`
 and raised together as :class:`SpecError`, each naming its field with a dotted path.
+
+A caller may speak only OpenAI's knobs (``batch_size``, ``learning_rate_multiplier``, ``n_epochs``);
+:func:`derive` turns them into memfit's (micro-batch, accumulation, learning rate, epochs) once, when
+the job is created, so the stored spec is explicit, and reports each value it filled in. Only a
+combination the caller set can be refused.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, Union
 
@@ -27,14 +33,19 @@ Auto = Literal["auto"]
 
 
 class OpenAIHyperparameters(Strict):
-    n_epochs: Union[Auto, int] = Field("auto", description="Passes over the training file.")
+    n_epochs: Union[Auto, int] = Field(
+        "auto",
+        description="Passes over the training file. 'auto' follows OpenAI's rule for the file's size "
+        "(service.spec.auto_epochs: 3, raised to see 100 examples or lowered to 25,000, within 1–25).",
+    )
     batch_size: Union[Auto, int] = Field(
         "auto",
         description="Global batch in examples per optimizer step: micro_batch_size × "
-        "gradient_accumulation_steps × num_workers. 'auto' derives it from `training`.",
+        "gradient_accumulation_steps × data-parallel workers. A number is split over those three "
+        "(service.spec.split_batch); 'auto' is whatever `training` makes of them.",
     )
     learning_rate_multiplier: Union[Auto, float] = Field(
-        "auto", description="Multiplies training.hyperparameters.learning_rate."
+        "auto", description="Multiplies memfit's base rate, training.hyperparameters.learning_rate; 'auto' is 1."
     )
 
     @field_validator("n_epochs")
@@ -64,10 +75,29 @@ class Supervised(Strict):
 
 
 class Method(Strict):
-    type: Literal["supervised"] = Field(
-        "supervised", description="Only supervised fine-tuning is offered; dpo and reinforcement are not."
+    type: Literal["supervised", "dpo", "reinforcement"] = Field(
+        "supervised",
+        description="Only 'supervised' runs; 'dpo' and 'reinforcement' are OpenAI's names, refused by check_rules.",
     )
     supervised: Supervised = Field(default_factory=Supervised)
+    dpo: dict[str, Any] | None = Field(None, description="OpenAI's DPO settings; memfit does not offer DPO.")
+    reinforcement: dict[str, Any] | None = Field(
+        None, description="OpenAI's reinforcement settings; memfit does not offer reinforcement fine-tuning."
+    )
+
+
+class WandbIntegration(Strict):
+    project: str = Field(..., min_length=1, max_length=256, description="Weights & Biases project.")
+    entity: str | None = Field(None, max_length=256, description="Team or user the run belongs to.")
+    name: str | None = Field(None, max_length=256, description="Display name of the run.")
+    tags: list[str] | None = Field(None, max_length=64, description="Tags attached to the run.")
+
+
+class Integration(Strict):
+    """OpenAI's integration object. memfit stores and echoes it; it has no network to send runs to W&B."""
+
+    type: Literal["wandb"] = Field(..., description="The only integration OpenAI defines.")
+    wandb: WandbIntegration = Field(..., description="Where OpenAI would send the run's metrics.")
 
 
 # --- memfit's extension: `training` -----------------------------------------------------------
@@ -219,7 +249,9 @@ class JobSpec(Strict):
     suffix: str | None = Field(None, max_length=64, description="Added to the fine-tuned model's name.")
     seed: int | None = Field(None, ge=0, le=2**31 - 1, description="Random seed; None picks one.")
     metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs.")
-    integrations: list[dict[str, Any]] | None = Field(None, description="Accepted for compatibility; unused.")
+    integrations: list[Integration] | None = Field(
+        None, max_length=16, description="Stored and echoed; memfit cannot reach W&B, so a job says so in a warn event."
+    )
     hyperparameters: OpenAIHyperparameters | None = Field(
         None, description="Deprecated by OpenAI in favour of method.supervised.hyperparameters."
     )
@@ -254,22 +286,19 @@ class JobSpec(Strict):
         return self.hyperparameters or self.method.supervised.hyperparameters
 
     def resolved(self) -> "Resolved":
-        """The numbers a run uses, with every 'auto' replaced."""
+        """The numbers a run uses, with every 'auto' replaced. A stored spec states them (derive() made
+        them explicit when the job was created); for a body not yet derived these are what derive()
+        will make of it, with n_epochs 'auto' taken for a file of unknown size."""
         oh = self.openai_hyperparameters
-        t = self.training
-        hp = t.hyperparameters
-        data_parallel = t.resources.num_workers if t.strategy != StrategyName.pipeline else 1
-        accumulation = hp.gradient_accumulation_steps
-        if oh.batch_size != "auto":
-            accumulation = max(1, oh.batch_size // (hp.micro_batch_size * data_parallel))
+        split = split_batch(self)
         multiplier = 1.0 if oh.learning_rate_multiplier == "auto" else float(oh.learning_rate_multiplier)
         return Resolved(
-            n_epochs=1 if oh.n_epochs == "auto" else int(oh.n_epochs),
-            micro_batch_size=hp.micro_batch_size,
-            gradient_accumulation_steps=accumulation,
-            data_parallel_size=data_parallel,
-            global_batch_size=hp.micro_batch_size * accumulation * data_parallel,
-            learning_rate=hp.learning_rate * multiplier,
+            n_epochs=auto_epochs(None) if oh.n_epochs == "auto" else int(oh.n_epochs),
+            micro_batch_size=split.micro_batch_size,
+            gradient_accumulation_steps=split.gradient_accumulation_steps,
+            data_parallel_size=split.data_parallel_size,
+            global_batch_size=split.global_batch_size,
+            learning_rate=self.training.hyperparameters.learning_rate * multiplier,
             learning_rate_multiplier=multiplier,
             seed=self.seed if self.seed is not None else 42,
         )
@@ -286,7 +315,7 @@ class Resolved(Strict):
     seed: int
 
 
-# --- cross-field rules ------------------------------------------------------------------------
+# --- problems: each names its field -----------------------------------------------------------
 
 
 class FieldProblem(BaseModel):
@@ -303,6 +332,212 @@ class SpecError(ValueError):
         super().__init__("; ".join(f"{p.param}: {p.message}" for p in problems))
 
 
+# --- OpenAI's hyperparameters → memfit's ------------------------------------------------------
+#
+# A caller who speaks only OpenAI's API sets batch_size, learning_rate_multiplier and n_epochs; the
+# workers need a micro-batch, an accumulation count, a learning rate and an epoch count. The rules
+# live here once: split_batch and auto_epochs say how, resolved() reads them, and derive() writes
+# their answers into the spec when a job is created, so the stored spec is what runs.
+
+
+def _upper_bound(field: str) -> int:
+    return next(m.le for m in TrainingHyperparameters.model_fields[field].metadata if getattr(m, "le", None))
+
+
+DEFAULT_MICRO_BATCH = TrainingHyperparameters.model_fields["micro_batch_size"].default
+MAX_MICRO_BATCH = _upper_bound("micro_batch_size")
+MAX_ACCUMULATION = _upper_bound("gradient_accumulation_steps")
+
+# OpenAI's rule for n_epochs 'auto', as its cookbook states it ("Data preparation and analysis for
+# chat model fine-tuning"): 3 epochs, raised until 100 examples are seen in all, lowered until at most
+# 25,000 are, never outside 1–25.
+TARGET_EPOCHS, MIN_TARGET_EXAMPLES, MAX_TARGET_EXAMPLES, MIN_AUTO_EPOCHS, MAX_AUTO_EPOCHS = 3, 100, 25_000, 1, 25
+
+
+def auto_epochs(training_examples: int | None) -> int:
+    """n_epochs for 'auto' and a training file of ``training_examples`` rows (None: not known yet)."""
+    if not training_examples:
+        return TARGET_EPOCHS
+    if training_examples * TARGET_EPOCHS < MIN_TARGET_EXAMPLES:
+        return min(MAX_AUTO_EPOCHS, MIN_TARGET_EXAMPLES // training_examples)
+    if training_examples * TARGET_EPOCHS > MAX_TARGET_EXAMPLES:
+        return max(MIN_AUTO_EPOCHS, MAX_TARGET_EXAMPLES // training_examples)
+    return TARGET_EPOCHS
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """global batch = micro_batch_size × gradient_accumulation_steps × data_parallel_size."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    data_parallel_size: int
+    problem: FieldProblem | None = None  # the caller's own values conflict; the numbers are then a fallback
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _micro_batch_for(share: int) -> int:
+    """The micro-batch for one worker's ``share`` of the batch when the caller named neither it nor the
+    accumulation: the largest divisor not over the default (memory stays where the default puts it),
+    unless that needs more accumulation steps than allowed, then the smallest divisor that does not."""
+    micro = max(d for d in range(1, min(DEFAULT_MICRO_BATCH, share) + 1) if share % d == 0)
+    if share // micro <= MAX_ACCUMULATION:
+        return micro
+    return next(d for d in range(-(-share // MAX_ACCUMULATION), share + 1) if share % d == 0)
+
+
+def split_batch(spec: JobSpec) -> BatchSplit:
+    """How ``spec``'s global batch is made.
+
+    batch_size 'auto': from training.hyperparameters (given or default) and the workers. A number B:
+    each data-parallel worker takes B ÷ workers; of micro-batch and accumulation, what the caller gave
+    is kept and the rest derived (neither given: see _micro_batch_for). Only values the caller gave can
+    conflict — workers that cannot share B evenly, a micro-batch or accumulation that does not divide a
+    worker's share, or both given and not multiplying to it — and then ``problem`` names batch_size and
+    the numbers are the old rule's (accumulation = B ÷ (micro-batch × workers)), so a spec stored before
+    this rule still renders.
+    """
+    t = spec.training
+    hp = t.hyperparameters
+    dp = t.resources.num_workers if t.strategy != StrategyName.pipeline else 1
+    batch = spec.openai_hyperparameters.batch_size
+    if batch == "auto":
+        return BatchSplit(hp.micro_batch_size, hp.gradient_accumulation_steps, dp)
+    given = hp.model_fields_set
+    micro = hp.micro_batch_size if "micro_batch_size" in given else None
+    accumulation = hp.gradient_accumulation_steps if "gradient_accumulation_steps" in given else None
+    where = "hyperparameters" if spec.hyperparameters is not None else "method.supervised.hyperparameters"
+    param = f"{where}.batch_size"
+    workers = _plural(dp, "data-parallel worker")
+
+    def refused(message: str) -> BatchSplit:
+        fallback = max(1, batch // (hp.micro_batch_size * dp))
+        return BatchSplit(hp.micro_batch_size, fallback, dp, FieldProblem(param=param, message=message))
+
+    if batch % dp:
+        return refused(f"batch_size {batch} cannot be shared evenly by training.resources.num_workers = {workers}; "
+                       f"use a multiple of {dp}")
+    share = batch // dp
+    if micro is not None and accumulation is not None:
+        if micro * accumulation != share:
+            return refused(f"batch_size {batch} is not training.hyperparameters.micro_batch_size {micro} × "
+                           f"gradient_accumulation_steps {accumulation} × {workers} = {micro * accumulation * dp}")
+    elif micro is not None:
+        if share % micro:
+            return refused(f"batch_size {batch} is not a multiple of training.hyperparameters.micro_batch_size "
+                           f"{micro} × {workers} = {micro * dp}")
+        accumulation = share // micro
+    elif accumulation is not None:
+        if share % accumulation:
+            return refused(f"batch_size {batch} is not a multiple of training.hyperparameters."
+                           f"gradient_accumulation_steps {accumulation} × {workers} = {accumulation * dp}")
+        micro = share // accumulation
+    else:
+        micro = _micro_batch_for(share)
+        accumulation = share // micro
+    if accumulation > MAX_ACCUMULATION:
+        return refused(f"batch_size {batch} with micro_batch_size {micro} × {workers} needs {accumulation} "
+                       f"gradient_accumulation_steps, over the limit of {MAX_ACCUMULATION}")
+    if micro > MAX_MICRO_BATCH:
+        return refused(f"batch_size {batch} with gradient_accumulation_steps {accumulation} × {workers} needs "
+                       f"micro_batch_size {micro}, over the limit of {MAX_MICRO_BATCH}")
+    return BatchSplit(micro, accumulation, dp)
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """One value filled in at create time; the job records it as an event (add_event's keywords)."""
+
+    message: str
+    data: dict[str, Any]
+    level: str = "info"
+
+
+@dataclass(frozen=True)
+class Derived:
+    spec: JobSpec
+    derivations: list[Derivation]
+
+
+def derive(spec: JobSpec, *, training_examples: int | None = None, seed: int | None = None) -> Derived:
+    """Make a validated spec explicit, once, when its job is created; the stored spec then says what the
+    workers run and the planner plans, and resolved() on it only reads. What is filled in:
+
+    - the deprecated top-level ``hyperparameters`` move to method.supervised.hyperparameters;
+    - batch_size → training.hyperparameters.micro_batch_size and gradient_accumulation_steps
+      (split_batch). 'auto' stays 'auto': it means "whatever those and the workers make", which the
+      memory pre-flight may still change (more workers, a smaller micro-batch); a number is kept;
+    - learning_rate_multiplier 'auto' → 1.0; the run's rate is training.hyperparameters.learning_rate × it;
+    - n_epochs 'auto' → auto_epochs(training_examples);
+    - seed unset → ``seed`` (when given);
+    - integrations are kept as given; memfit has no network to W&B, which a warn event says.
+
+    Each is a Derivation, for a job event. Raises SpecError when the caller's own values conflict
+    (validate_spec has already refused those; check_rules reports the same problems).
+    """
+    split = split_batch(spec)
+    if split.problem is not None:
+        raise SpecError([split.problem])
+    oh = spec.openai_hyperparameters
+    hp = spec.training.hyperparameters
+    out: list[Derivation] = []
+    if spec.hyperparameters is not None:
+        out.append(Derivation("hyperparameters (deprecated by OpenAI) read as method.supervised.hyperparameters",
+                              {"derived": "method", "from": "hyperparameters"}))
+    workers = _plural(split.data_parallel_size, "worker")
+    how = (f"micro_batch_size {split.micro_batch_size} × gradient_accumulation_steps "
+           f"{split.gradient_accumulation_steps} × {workers}")
+    batch_message = (f"batch_size auto → {split.global_batch_size} = {how}" if oh.batch_size == "auto"
+                     else f"batch_size {oh.batch_size} → {how}")
+    out.append(Derivation(batch_message, {
+        "derived": "batch_size", "batch_size": oh.batch_size, "global_batch_size": split.global_batch_size,
+        "micro_batch_size": split.micro_batch_size, "gradient_accumulation_steps": split.gradient_accumulation_steps,
+        "data_parallel_workers": split.data_parallel_size}))
+    multiplier = 1.0 if oh.learning_rate_multiplier == "auto" else float(oh.learning_rate_multiplier)
+    out.append(Derivation(
+        f"learning_rate_multiplier {oh.learning_rate_multiplier} → learning_rate {hp.learning_rate * multiplier:g} "
+        f"= training.hyperparameters.learning_rate {hp.learning_rate:g} × {multiplier:g}",
+        {"derived": "learning_rate", "learning_rate_multiplier": multiplier, "base_learning_rate": hp.learning_rate,
+         "learning_rate": hp.learning_rate * multiplier}))
+    n_epochs = oh.n_epochs
+    if n_epochs == "auto":
+        n_epochs = auto_epochs(training_examples)
+        examples = (_plural(training_examples, "training example") if training_examples
+                    else "a training file of unknown size")
+        capped = (f"; training.hyperparameters.max_steps {hp.max_steps} ends the run if it comes first"
+                  if hp.max_steps else "")
+        out.append(Derivation(
+            f"n_epochs auto → {n_epochs} for {examples} (OpenAI's rule: {TARGET_EPOCHS} epochs, raised to see "
+            f"{MIN_TARGET_EXAMPLES} examples or lowered to {MAX_TARGET_EXAMPLES:,}, within "
+            f"{MIN_AUTO_EPOCHS}–{MAX_AUTO_EPOCHS}){capped}",
+            {"derived": "n_epochs", "n_epochs": n_epochs, "training_examples": training_examples}))
+    body = spec.model_dump(mode="json")
+    if spec.seed is None and seed is not None:
+        body["seed"] = seed
+        out.append(Derivation(f"seed not given → {seed}", {"derived": "seed", "seed": seed}))
+    for integration in spec.integrations or []:
+        out.append(Derivation(
+            f"integration {integration.type} (project {integration.wandb.project!r}) is stored but not run: "
+            "memfit has no network to Weights & Biases; the metrics are in this job's events and result file",
+            {"integration": integration.type, "project": integration.wandb.project, "enabled": False}, level="warn"))
+    body["hyperparameters"] = None
+    body["method"]["supervised"]["hyperparameters"] = {
+        "n_epochs": n_epochs, "batch_size": oh.batch_size, "learning_rate_multiplier": multiplier}
+    body["training"]["hyperparameters"].update(
+        micro_batch_size=split.micro_batch_size, gradient_accumulation_steps=split.gradient_accumulation_steps)
+    return Derived(JobSpec.model_validate(body), out)
+
+
+# --- cross-field rules ------------------------------------------------------------------------
+
+
 def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[FieldProblem]:
     """Every rule that involves more than one field. Returns all problems, empty when the spec is fine."""
     t = spec.training
@@ -314,8 +549,15 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
     on_gpu = t.resources.gpus_per_worker > 0
     ds = t.deepspeed
     peft = t.peft.method
-    oh = spec.openai_hyperparameters
 
+    if spec.method.type != "supervised":
+        problems.append(FieldProblem(
+            param="method.type", code="unsupported_method",
+            message=f"memfit offers supervised fine-tuning only; method.type {spec.method.type!r} is not supported"))
+    for other in ("dpo", "reinforcement"):
+        if getattr(spec.method, other) is not None and spec.method.type != other:
+            problems.append(FieldProblem(param=f"method.{other}",
+                                         message=f"method.{other} belongs to method.type {other!r}"))
     if spec.hyperparameters is not None and spec.method.supervised.hyperparameters != OpenAIHyperparameters():
         problems.append(
             FieldProblem(
@@ -359,26 +601,9 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
         bad("resources.gpus_per_worker", "more than one GPU per worker must be a whole number")
     if t.resources.host_memory_budget_bytes is not None and on_gpu:
         bad("resources.host_memory_budget_bytes", "a host memory budget applies to CPU workers only")
-    if oh.batch_size != "auto":
-        dp = t.resources.num_workers if t.strategy != StrategyName.pipeline else 1
-        per_step = t.hyperparameters.micro_batch_size * dp
-        if oh.batch_size % per_step:
-            problems.append(
-                FieldProblem(
-                    param="method.supervised.hyperparameters.batch_size",
-                    message=f"batch_size {oh.batch_size} is not a multiple of micro_batch_size × data-parallel workers = {per_step}",
-                )
-            )
-        elif "gradient_accumulation_steps" in t.hyperparameters.model_fields_set:
-            implied = oh.batch_size // per_step
-            if implied != t.hyperparameters.gradient_accumulation_steps:
-                problems.append(
-                    FieldProblem(
-                        param="method.supervised.hyperparameters.batch_size",
-                        message=f"batch_size {oh.batch_size} implies gradient_accumulation_steps {implied}, "
-                        f"but training.hyperparameters.gradient_accumulation_steps is {t.hyperparameters.gradient_accumulation_steps}",
-                    )
-                )
+    split = split_batch(spec)
+    if split.problem is not None:
+        problems.append(split.problem)
     return problems
 
 

@@ -35,8 +35,10 @@ def test_create_returns_openai_job(create_job, tenant):
     assert job["model"] == "preset:tiny-llama"
     assert job["seed"] == 7 and job["suffix"] == "demo" and job["metadata"] == {"team": "nlp"}
     assert job["result_files"] == [] and job["fine_tuned_model"] is None and job["error"] is None
-    assert job["hyperparameters"] == {"n_epochs": 1, "batch_size": 8, "learning_rate_multiplier": 1.0}
-    assert job["method"] == {"type": "supervised", "supervised": {"hyperparameters": job["hyperparameters"]}}
+    # n_epochs 'auto' for the 2-example file: OpenAI's rule, raised to see 100 examples, capped at 25.
+    assert job["hyperparameters"] == {"n_epochs": 25, "batch_size": 8, "learning_rate_multiplier": 1.0}
+    assert job["method"] == {"type": "supervised", "supervised": {"hyperparameters": job["hyperparameters"]},
+                             "dpo": None, "reinforcement": None}
     assert job["training"]["peft"]["method"] == "lora" and job["training"]["peft"]["r"] == 4
     assert job["training"]["strategy"] == "ddp"  # defaults are filled in
     assert job["attempt"] == 0
@@ -222,7 +224,8 @@ def test_list_limit_bounds_and_metadata_filter(client, create_job, tenant, uploa
 def test_events_paginate_newest_first(client, create_job, tenant, api_app):
     from service import jobs
 
-    job_id = create_job(tenant).json()["id"]
+    job = create_job(tenant).json()
+    job_id, file_id = job["id"], job["training_file"]
     with session_scope(api_app.state.sessions) as s:
         for i in range(5):
             jobs.add_event(s, job_id, f"step {i}", type="metrics", data={"step": i}, dedupe_key=f"m{i}")
@@ -232,8 +235,11 @@ def test_events_paginate_newest_first(client, create_job, tenant, api_app):
     assert first["has_more"] is True
     assert [e["message"] for e in first["data"]] == ["step 4", "step 3", "step 2", "step 1"]
     assert first["data"][0]["object"] == "fine_tuning.job.event" and first["data"][0]["type"] == "metrics"
-    rest = client.get(url, params={"limit": 4, "after": first["data"][-1]["id"]}, headers=tenant.headers).json()
-    assert [e["message"] for e in rest["data"]] == ["step 0", "Validating training file: " + rest["data"][-1]["message"].split(": ")[1]]
+    rest = client.get(url, params={"limit": 100, "after": first["data"][-1]["id"]}, headers=tenant.headers).json()
+    # Older than the steps: create's events, newest first — the derived hyperparameters, then the file check.
+    derived = [e["data"]["derived"] for e in rest["data"][1:-1]]
+    assert derived == ["seed", "n_epochs", "learning_rate", "batch_size"]
+    assert [rest["data"][0]["message"], rest["data"][-1]["message"]] == ["step 0", "Validating training file: " + file_id]
     assert rest["has_more"] is False
 
 
@@ -250,7 +256,11 @@ def test_checkpoints_listed_by_step(client, create_job, tenant, api_app):
     assert [c["step_number"] for c in page["data"]] == [30, 20] and page["has_more"]
     c = page["data"][0]
     assert c["object"] == "fine_tuning.job.checkpoint" and c["fine_tuning_job_id"] == job_id
-    assert c["metrics"] == {"step": 30, "train_loss": 1.0 / 30} and c["fine_tuned_model_checkpoint"] == "/ckpt/30"
+    # Every metric OpenAI's checkpoint declares is answered; what memfit does not measure is null.
+    assert c["metrics"] == {"step": 30, "train_loss": 1.0 / 30, "train_mean_token_accuracy": None, "valid_loss": None,
+                            "valid_mean_token_accuracy": None, "full_valid_loss": None,
+                            "full_valid_mean_token_accuracy": None}
+    assert c["fine_tuned_model_checkpoint"] == "/ckpt/30"
     rest = client.get(url, params={"after": page["data"][-1]["id"]}, headers=tenant.headers).json()
     assert [c["step_number"] for c in rest["data"]] == [10] and not rest["has_more"]
 

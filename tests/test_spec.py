@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from service.spec import JobSpec, SpecError, validate_spec
+from service.spec import JobSpec, SpecError, auto_epochs, derive, validate_spec
 
 BASE = {"model": "preset:tiny-llama", "training_file": "file-abc"}
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.y*ml"))
@@ -22,8 +22,8 @@ def test_minimal_body_gets_defaults():
     spec = validate_spec(BASE)
     assert spec.training.strategy.value == "ddp" and spec.training.peft.method.value == "none"
     assert spec.method.type == "supervised" and spec.method.supervised.hyperparameters.n_epochs == "auto"
-    r = spec.resolved()
-    assert (r.n_epochs, r.micro_batch_size, r.gradient_accumulation_steps, r.global_batch_size) == (1, 4, 1, 4)
+    r = spec.resolved()  # n_epochs 'auto' for a file of unknown size: OpenAI's target of 3
+    assert (r.n_epochs, r.micro_batch_size, r.gradient_accumulation_steps, r.global_batch_size) == (3, 4, 1, 4)
 
 
 def test_openai_batch_size_sets_accumulation():
@@ -88,3 +88,136 @@ def test_example_specs_validate(path):
     body = yaml.safe_load(path.read_text())
     body = body.get("job", body) if isinstance(body, dict) else body
     validate_spec(body)
+
+
+# --- OpenAI's hyperparameters → memfit's (derive, split_batch, auto_epochs) -------------------
+
+
+def openai_hp(**hp):
+    return {"method": {"type": "supervised", "supervised": {"hyperparameters": hp}}}
+
+
+@pytest.mark.parametrize(
+    "batch_size, workers, micro, accumulation",
+    [(1, None, 1, 1), (2, None, 2, 1), (3, None, 3, 1), (6, None, 3, 2), (64, None, 4, 16),
+     (2, 2, 1, 1), (64, 2, 4, 8), (65536, None, 16, 4096)],
+)
+def test_batch_size_alone_is_split_into_micro_batch_and_accumulation(batch_size, workers, micro, accumulation):
+    body = {**BASE, **openai_hp(batch_size=batch_size)}
+    if workers:
+        body["training"] = {"resources": {"num_workers": workers}}
+    spec = validate_spec(body)
+    derived = derive(spec, training_examples=40, seed=9)
+    stored = JobSpec.model_validate(derived.spec.model_dump(mode="json"))  # what the store hands back
+    hp = stored.training.hyperparameters
+    assert (hp.micro_batch_size, hp.gradient_accumulation_steps) == (micro, accumulation)
+    assert stored.method.supervised.hyperparameters.batch_size == batch_size
+    dp = workers or 1
+    r = stored.resolved()
+    assert (r.micro_batch_size, r.gradient_accumulation_steps, r.data_parallel_size, r.global_batch_size) == (
+        micro, accumulation, dp, batch_size)
+    # resolved() of the body before derivation already says the same: one rule, read twice.
+    assert spec.resolved().model_copy(update={"n_epochs": r.n_epochs, "seed": r.seed}) == r
+    [event] = [d for d in derived.derivations if d.data.get("derived") == "batch_size"]
+    worker_word = "worker" if dp == 1 else "workers"
+    assert event.message == (f"batch_size {batch_size} → micro_batch_size {micro} × gradient_accumulation_steps "
+                             f"{accumulation} × {dp} {worker_word}")
+    assert event.data == {"derived": "batch_size", "batch_size": batch_size, "global_batch_size": batch_size,
+                          "micro_batch_size": micro, "gradient_accumulation_steps": accumulation,
+                          "data_parallel_workers": dp}
+    # Deriving the stored spec again changes nothing: it is explicit.
+    assert derive(stored).spec == stored
+
+
+def test_derive_fills_epochs_learning_rate_and_seed_and_moves_deprecated_hyperparameters():
+    body = {**BASE, "hyperparameters": {"batch_size": 8, "learning_rate_multiplier": 0.5},
+            "training": {"hyperparameters": {"learning_rate": 1e-3}}}
+    derived = derive(validate_spec(body), training_examples=10, seed=1234)
+    s = derived.spec
+    assert s.hyperparameters is None
+    assert s.method.supervised.hyperparameters.model_dump() == {
+        "n_epochs": 10, "batch_size": 8, "learning_rate_multiplier": 0.5}
+    assert s.seed == 1234
+    r = s.resolved()
+    assert (r.n_epochs, r.learning_rate, r.learning_rate_multiplier, r.global_batch_size) == (10, 5e-4, 0.5, 8)
+    assert {d.data["derived"]: d.message for d in derived.derivations} == {
+        "method": "hyperparameters (deprecated by OpenAI) read as method.supervised.hyperparameters",
+        "batch_size": "batch_size 8 → micro_batch_size 4 × gradient_accumulation_steps 2 × 1 worker",
+        "learning_rate": "learning_rate_multiplier 0.5 → learning_rate 0.0005 = training.hyperparameters.learning_rate "
+                         "0.001 × 0.5",
+        "n_epochs": "n_epochs auto → 10 for 10 training examples (OpenAI's rule: 3 epochs, raised to see 100 examples "
+                    "or lowered to 25,000, within 1–25)",
+        "seed": "seed not given → 1234",
+    }
+    # A seed the caller gave is kept, and nothing is said about it.
+    kept = derive(validate_spec({**BASE, "seed": 7}), seed=99)
+    assert kept.spec.seed == 7 and "seed" not in {d.data.get("derived") for d in kept.derivations}
+
+
+@pytest.mark.parametrize("examples, epochs", [(1, 25), (2, 25), (10, 10), (33, 3), (34, 3), (5000, 3),
+                                              (9000, 2), (20000, 1), (100000, 1), (None, 3)])
+def test_auto_epochs_is_openais_rule(examples, epochs):
+    assert auto_epochs(examples) == epochs
+
+
+def test_batch_size_auto_is_what_training_makes_and_stays_auto():
+    body = {**BASE, "training": {"hyperparameters": {"micro_batch_size": 2, "gradient_accumulation_steps": 3},
+                                 "resources": {"num_workers": 2}}}
+    derived = derive(validate_spec(body), training_examples=100)
+    assert derived.spec.method.supervised.hyperparameters.batch_size == "auto"  # the pre-flight may still change it
+    assert derived.spec.resolved().global_batch_size == 12
+    [event] = [d for d in derived.derivations if d.data.get("derived") == "batch_size"]
+    assert event.message == "batch_size auto → 12 = micro_batch_size 2 × gradient_accumulation_steps 3 × 2 workers"
+
+
+def test_integrations_are_kept_with_a_warning():
+    wandb = {"project": "p", "entity": "team", "name": "run", "tags": ["a"]}
+    derived = derive(validate_spec({**BASE, "integrations": [{"type": "wandb", "wandb": wandb}]}))
+    assert [i.model_dump() for i in derived.spec.integrations] == [{"type": "wandb", "wandb": wandb}]
+    [warn] = [d for d in derived.derivations if d.level == "warn"]
+    assert "no network to Weights & Biases" in warn.message
+    assert warn.data == {"integration": "wandb", "project": "p", "enabled": False}
+    assert problems({**BASE, "integrations": [{"type": "slack"}]}) == [
+        ("integrations.0.type", "invalid_value"), ("integrations.0.wandb", "invalid_value")]
+
+
+MICRO_4 = {"training": {"hyperparameters": {"micro_batch_size": 4}}}
+
+
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({**openai_hp(batch_size=6), **MICRO_4}, "method.supervised.hyperparameters.batch_size",
+         "batch_size 6 is not a multiple of training.hyperparameters.micro_batch_size 4 × 1 data-parallel worker = 4"),
+        ({"hyperparameters": {"batch_size": 6}, **MICRO_4}, "hyperparameters.batch_size",
+         "batch_size 6 is not a multiple of training.hyperparameters.micro_batch_size 4 × 1 data-parallel worker = 4"),
+        ({**openai_hp(batch_size=8), "training": {"hyperparameters": {"micro_batch_size": 2, "gradient_accumulation_steps": 3}}},
+         "method.supervised.hyperparameters.batch_size",
+         "batch_size 8 is not training.hyperparameters.micro_batch_size 2 × gradient_accumulation_steps 3 × "
+         "1 data-parallel worker = 6"),
+        ({**openai_hp(batch_size=6), "training": {"hyperparameters": {"gradient_accumulation_steps": 4}}},
+         "method.supervised.hyperparameters.batch_size",
+         "batch_size 6 is not a multiple of training.hyperparameters.gradient_accumulation_steps 4 × "
+         "1 data-parallel worker = 4"),
+        ({**openai_hp(batch_size=3), "training": {"resources": {"num_workers": 2}}},
+         "method.supervised.hyperparameters.batch_size",
+         "batch_size 3 cannot be shared evenly by training.resources.num_workers = 2 data-parallel workers; "
+         "use a multiple of 2"),
+    ],
+    ids=["micro", "deprecated-top-level", "micro-and-accumulation", "accumulation", "workers"],
+)
+def test_only_what_the_caller_set_can_conflict(body, param, message):
+    with pytest.raises(SpecError) as exc:
+        validate_spec({**BASE, **body})
+    assert [(p.param, p.code, p.message) for p in exc.value.problems] == [(param, "invalid_value", message)]
+
+
+@pytest.mark.parametrize("method", ["dpo", "reinforcement"])
+def test_other_methods_are_refused_naming_method_type(method):
+    body = {**BASE, "method": {"type": method, method: {"hyperparameters": {"n_epochs": 2}}}}
+    with pytest.raises(SpecError) as exc:
+        validate_spec(body)
+    assert [(p.param, p.code, p.message) for p in exc.value.problems] == [
+        ("method.type", "unsupported_method",
+         f"memfit offers supervised fine-tuning only; method.type {method!r} is not supported")]
+    assert problems({**BASE, "method": {"type": "supervised", "dpo": {}}}) == [("method.dpo", "invalid_value")]
