@@ -7,6 +7,8 @@ is fast and never pulls in FastAPI, Ray or torch.
 
 from __future__ import annotations
 
+import sys
+
 import typer
 from rich.console import Console
 
@@ -121,7 +123,18 @@ app.command("plan")(plan_command)
 
 
 def main() -> None:
-    app()
+    """The entry point. A setting memfit cannot use is one line per variable on stderr and exit
+    status 2, whichever command read it (each reads them through service.settings.get_settings)."""
+    try:
+        app()
+    except Exception as exc:
+        from service.settings import SettingsInvalid  # imported already if that is what was raised
+
+        if not isinstance(exc, SettingsInvalid):
+            raise
+        for line in exc.lines:
+            print(f"memfit: {line}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

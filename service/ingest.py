@@ -167,7 +167,7 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
         )
         status, new = JobStatus.succeeded.value, new + 1
     elif isinstance(ending, FailureRecord):
-        error = {"code": ending.code, "message": ending.message, "param": None, "rank": ending.rank,
+        error = {"code": ending.code, "message": ending.message, "param": ending.param, "rank": ending.rank,
                  "step": ending.step, "phase": ending.phase, "details": ending.details}
         if ending.code == "out_of_memory":  # + dominant category and the planner's suggestions
             error = oom_error(job, error, settings)

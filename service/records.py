@@ -83,6 +83,7 @@ class FailureRecord(_Record):
     kind: Literal["failure"] = "failure"
     code: str = Field(..., description="out_of_memory | worker_error | data_error | …")
     message: str = Field(..., max_length=8000)
+    param: str | None = Field(None, description="The spec field at fault, e.g. model for model_unavailable.")
     rank: int | None = None
     step: int | None = None
     phase: str | None = None

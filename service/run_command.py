@@ -59,12 +59,12 @@ def run_file(path: Path, *, console: Console | None = None, timeout_s: float = 3
     from service.settings import ensure_dirs, get_settings
 
     console = console or Console()
+    settings = get_settings()  # a bad MEMFIT_* setting: SettingsInvalid, one line each (service/cli.py: main)
     try:
         body, files = load_job_file(path)
     except BadJobFile as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
-    settings = get_settings()
     ensure_dirs(settings)
     home = settings.storage_dir.parent
     quiet_logging(home / "logs" / "memfit-run.log")

@@ -1,26 +1,39 @@
-"""Service settings: one pydantic-settings class, read from MEMFIT_* variables, refusing unsafe values."""
+"""Service settings: one pydantic-settings class, read from MEMFIT_* variables, refusing unsafe values.
+
+:func:`get_settings` is how every command reads them: a value memfit cannot use raises
+:class:`SettingsInvalid`, one line per variable naming it, the value given and what it expects
+(``service/cli.py: main`` prints those lines and exits 2).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
+
+ENV_PREFIX = "MEMFIT_"
+DIRS_FORM = f"directories separated by ',' or {os.pathsep!r}, or a JSON list of them"
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MEMFIT_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     database_url: str = Field(
         "sqlite:///./.memfit/memfit.db",
         description="SQLAlchemy URL. postgresql+psycopg://… in production; SQLite is the embedded default.",
     )
     storage_dir: Path = Field(Path("./.memfit/storage"), description="Uploaded files, checkpoints and models.")
-    model_dirs: list[Path] = Field(
+    # NoDecode: pydantic-settings would JSON-decode a list from the environment before any validator
+    # runs, so the documented `MEMFIT_MODEL_DIRS=/models,/srv/models` would never reach `_split`.
+    model_dirs: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
-        description="The only local directories a job's `model` path may point into (comma-separated).",
+        description=f"The only local directories a job's `model` path may point into: {DIRS_FORM}.",
     )
     max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1024, le=64 * 1024**3)
     api_url: str = Field("http://127.0.0.1:8000", description="Where workers post metrics (the API's own URL).")
@@ -36,9 +49,15 @@ class Settings(BaseSettings):
     @field_validator("model_dirs", mode="before")
     @classmethod
     def _split(cls, v):
-        if isinstance(v, str):
-            return [p for p in v.split(",") if p.strip()]
-        return v
+        if not isinstance(v, str):
+            return v
+        text = v.strip()
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                raise ValueError(f"expected {DIRS_FORM} (this starts like a JSON list but is not one)") from None
+        return [p.strip() for p in re.split(f"[,{re.escape(os.pathsep)}]", text) if p.strip()]
 
     @field_validator("model_dirs")
     @classmethod
@@ -47,41 +66,134 @@ class Settings(BaseSettings):
         for p in v:
             rp = Path(p).expanduser().resolve()
             if rp == Path("/"):
-                raise ValueError("MEMFIT_MODEL_DIRS must not include the filesystem root")
+                raise ValueError("must not include the filesystem root")
             out.append(rp)
         return out
+
+    @field_validator("storage_dir")
+    @classmethod
+    def _storage(cls, v: Path) -> Path:
+        v = Path(v).expanduser().resolve()
+        if v == Path("/"):
+            raise ValueError("expected a directory other than the filesystem root")
+        return v
 
     @field_validator("database_url")
     @classmethod
     def _db(cls, v: str) -> str:
         if not v.startswith(("sqlite", "postgresql")):
-            raise ValueError("MEMFIT_DATABASE_URL must be a sqlite:// or postgresql:// URL")
+            raise ValueError("expected a sqlite:/// or postgresql+psycopg:// URL")
         if v.startswith("postgresql://"):
             v = "postgresql+psycopg://" + v[len("postgresql://"):]
+        return v
+
+    @field_validator("api_url")
+    @classmethod
+    def _api_url(cls, v: str) -> str:
+        if not v.strip():
+            return cls.model_fields["api_url"].default
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL (where workers reach the API)")
+        return v
+
+    @field_validator("ray_address")
+    @classmethod
+    def _ray_address(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None  # unset: a local head
+        if "://" in v and not v.startswith(("http://", "https://")):
+            raise ValueError("expected the Ray Jobs API's URL, e.g. http://ray-head:8265")
         return v
 
     @field_validator("ray_auth_mode")
     @classmethod
     def _auth(cls, v: str) -> str:
         if v not in ("disabled", "token"):
-            raise ValueError("MEMFIT_RAY_AUTH_MODE must be 'disabled' or 'token'")
+            raise ValueError("expected 'disabled' or 'token'")
         return v
-
-    @model_validator(mode="after")
-    def _storage(self):
-        self.storage_dir = Path(self.storage_dir).expanduser().resolve()
-        if self.storage_dir == Path("/"):
-            raise ValueError("MEMFIT_STORAGE_DIR must not be the filesystem root")
-        return self
 
     @property
     def is_sqlite(self) -> bool:
         return self.database_url.startswith("sqlite")
 
 
+class SettingsInvalid(Exception):
+    """Settings memfit refuses to start with; ``lines`` holds one line per bad variable."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+        super().__init__("\n".join(lines))
+
+
+def load_settings(**values: Any) -> Settings:
+    """Settings from the environment (``values`` override it); SettingsInvalid when one is unusable."""
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        raise SettingsInvalid(_lines(exc.errors(), values)) from None
+    except SettingsError as exc:  # a source could not even parse a value (before validation)
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = field.group(1) if field else None
+        if name not in Settings.model_fields:
+            raise SettingsInvalid([f"settings: {exc}"]) from None
+        raise SettingsInvalid([_line(name, _given(name, values, None), None)]) from None
+
+
 @lru_cache
 def get_settings() -> Settings:
-    return Settings()
+    return load_settings()
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def expects(field: str) -> str:
+    """What a setting accepts, in words, from its type and bounds (``lease_seconds``: "a number
+    from 2 to 3600")."""
+    info = Settings.model_fields[field]
+    if field == "model_dirs":
+        return DIRS_FORM
+    kinds = {int: "an integer", float: "a number", bool: "true or false (or 1/0, yes/no, on/off)", Path: "a path"}
+    kind = kinds.get(info.annotation, "a string")
+    bounds = {k: getattr(m, k) for m in info.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
+    if "ge" in bounds and "le" in bounds:
+        return f"{kind} from {bounds['ge']} to {bounds['le']}"
+    words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    return " ".join([kind, " and ".join(f"{words[k]} {v}" for k, v in bounds.items())]).strip()
+
+
+def _given(field: str, values: dict, error_input: Any) -> Any:
+    """The value as the user gave it: the environment variable's text (matched case-insensitively,
+    as pydantic-settings does), else what was passed in."""
+    if field in values:
+        return values[field]
+    env = env_name(field)
+    for key, value in os.environ.items():
+        if key.upper() == env:
+            return value
+    return error_input
+
+
+def _line(field: str, given: Any, error: dict | None) -> str:
+    expected = f"expected {expects(field)}"
+    if error is not None and error.get("type") == "value_error":  # our validators say what is wrong
+        reason = str(error["ctx"]["error"])
+        expected = reason if reason.startswith("expected") else f"{reason}; {expected}"
+    return f"{env_name(field)}={given!r}: {expected}"
+
+
+def _lines(errors: list[dict], values: dict) -> list[str]:
+    """One line per variable (a list field may fail on several items; the first one says enough)."""
+    lines: dict[str, str] = {}
+    for error in errors:
+        loc = error.get("loc") or ()
+        if not loc or loc[0] not in Settings.model_fields:
+            lines.setdefault(str(loc), f"settings: {error.get('msg')}")
+            continue
+        field = str(loc[0])
+        lines.setdefault(field, _line(field, _given(field, values, error.get("input")), error))
+    return list(lines.values())
 
 
 def ensure_dirs(settings: Settings) -> None:

@@ -157,6 +157,83 @@ def resolve_model_dir(model: str, model_path: str | None = None) -> str:
     return model
 
 
+def check_model(model: str, model_path: str | None = None) -> str:
+    """What the Ray job's driver checks before any worker starts (workers/run.py: validate), so that
+    a model that cannot be loaded fails the job once instead of in every worker group Ray Train starts.
+
+    A preset is built. A directory (given, a preset's, or a hub id's snapshot in the local cache)
+    needs a config transformers reads, a tokenizer that loads and its weight files. A hub id must be
+    in the local cache when HF_HUB_OFFLINE is set; online, the Hub must answer one HEAD request for
+    its config.json (no retries, 10 s at most) — downloading it is the workers' job. Returns what
+    ``from_pretrained`` will be given; raises ModelSourceError naming the model and why."""
+    model_dir = resolve_model_dir(model, model_path)
+    if not Path(model_dir).is_dir():  # an online hub id
+        _hub_check(model)
+        return model_dir
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - bad JSON, a model_type this transformers does not know …
+        raise ModelSourceError(f"model {model!r}: its config.json cannot be read: {_why(exc)}") from None
+    try:
+        load_tokenizer(model_dir)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises for a missing or broken tokenizer
+        raise ModelSourceError(f"model {model!r}: no tokenizer loads from {model_dir}: {_why(exc)}") from None
+    missing = _missing_weights(Path(model_dir))
+    if missing:
+        raise ModelSourceError(f"model {model!r}: {model_dir} {missing}")
+    return model_dir
+
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _missing_weights(model_dir: Path) -> str | None:
+    """None when the weight files are there (one file, or every shard an index names), else what is missing."""
+    for name in WEIGHT_FILES:
+        if (model_dir / name).is_file():
+            return None
+        index = model_dir / f"{name}.index.json"
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as exc:
+                return f"has an unreadable {index.name}: {_why(exc)}"
+            absent = [s for s in shards if not (model_dir / s).is_file()]
+            if absent:
+                return f"lacks {len(absent)} of the {len(shards)} weight shards {index.name} names, e.g. {absent[0]}"
+            return None
+    return f"has no weights ({' or '.join(WEIGHT_FILES)}, or a sharded index of them)"
+
+
+def _hub_check(model: str) -> None:
+    """One HEAD request for the hub id's config.json; ModelSourceError says why it is not there."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        get_hf_file_metadata(hf_hub_url(model, "config.json"), timeout=10)
+        return
+    except GatedRepoError:  # before RepositoryNotFoundError, its base class
+        why = "is gated on the Hugging Face Hub and HF_TOKEN gives no access (accept its licence on huggingface.co)"
+    except RepositoryNotFoundError:
+        why = "is not on the Hugging Face Hub (or is private and HF_TOKEN gives no access)"
+    except EntryNotFoundError:
+        why = "has no config.json on the Hugging Face Hub: not a transformers model"
+    except HFValidationError as exc:
+        why = f"is neither a preset, a local directory nor a valid hub id ({exc})"
+    except Exception as exc:  # noqa: BLE001 - no connection, a timeout, a proxy, a 5xx …
+        why = (f"cannot be checked: the Hugging Face Hub did not answer ({_why(exc)}); put the model in the "
+               "local cache and set HF_HUB_OFFLINE=1, or give a local directory")
+    raise ModelSourceError(f"model {model!r} {why}")
+
+
+def _why(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
 def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
@@ -171,13 +248,14 @@ def load_tokenizer(model_dir: str):
 def load_model(model_dir: str, attention: str = "sdpa", dtype=None):
     """The model in fp32 (mixed precision is autocast, not a weight dtype) unless ``dtype`` says."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
         return AutoModelForCausalLM.from_pretrained(
             model_dir, attn_implementation=attention, dtype=dtype or torch.float32
         )
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # missing, unreadable or corrupt weight files
         raise ModelSourceError(f"cannot load model {model_dir!r}: {exc}") from None
 
 

@@ -1,7 +1,9 @@
 """The Ray job entrypoint: ``python -m workers.run REQUEST.json``.
 
 1. validates the RunRequest (pydantic) and the spec's cross-field rules;
-2. validates the data files — a bad row fails here, naming file and line, before any worker starts;
+2. validates the data files — a bad row fails here, naming file and line, before any worker starts —
+   and the model (workers/models.py: check_model): one that cannot be loaded fails the job here with
+   ``model_unavailable``, once, instead of failing every worker group Ray Train would start;
 3. runs ``TorchTrainer.fit()`` with RunConfig(name=job_id, storage_path=<output_dir>/ray) and the
    metrics callback; a second run with the same name and storage path resumes from the latest
    checkpoint of the first (Ray Train V2 reloads the run's checkpoint-manager snapshot);
@@ -21,9 +23,11 @@ from pathlib import Path
 
 from service.spec import RunRequest, SpecError, check_rules
 from workers.data import DataError, read_jsonl
+from workers.models import ModelSourceError, check_model
 from workers.sink import RecordCallback, failure_records, make_sinks
 
 HEALTH_CHECK_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
+FAILURE_FIELDS = ("code", "message", "param", "rank", "step", "phase")  # service/records.py: FailureRecord
 
 
 class RunFailed(RuntimeError):
@@ -40,7 +44,25 @@ def train_loop_per_worker(config: dict) -> None:
 
     req = RunRequest.model_validate(config["request"])
     args = train_args(req, fail_at=config.get("fail_at"))
-    train(args, WorkerEnv.from_ray())
+    env = WorkerEnv.from_ray()
+    try:
+        train(args, env)
+    except ModelSourceError as exc:
+        # The driver's check passed, yet this worker cannot load the model (a corrupt weight file, a
+        # node whose cache differs): the job's error says so, not "worker_error".
+        _write_rank_failure(req.output_dir, env.rank, _model_error(exc))
+        raise
+
+
+def _model_error(exc: ModelSourceError) -> dict:
+    return {"code": "model_unavailable", "message": str(exc), "param": "model", "phase": "load_model"}
+
+
+def _write_rank_failure(output_dir: str, rank: int, error: dict) -> None:
+    """A structured failure beside the outputs, where fit() looks (workers/sink.py: failure_records)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"failure-rank{rank}.json").write_text(json.dumps({"kind": "failure", **error, "rank": rank}))
 
 
 def validate(req: RunRequest) -> None:
@@ -53,6 +75,7 @@ def validate(req: RunRequest) -> None:
         if not Path(path).exists():
             raise DataError(0, "file not found", path)
         read_jsonl(path)
+    check_model(req.spec.model, req.model_path)
 
 
 def _fail_at_from_env() -> str | None:
@@ -96,9 +119,11 @@ def fit(req: RunRequest, fail_at: str | None = None):
     started = time.time()
     try:
         validate(req)
-    except (DataError, SpecError) as exc:
+    except (DataError, SpecError, ModelSourceError) as exc:
         if isinstance(exc, DataError):
             error = {"code": "data_error", "message": str(exc), "file": exc.path, "line": exc.line}
+        elif isinstance(exc, ModelSourceError):
+            error = {k: v for k, v in _model_error(exc).items() if k != "phase"}
         else:
             error = {"code": "invalid_spec", "message": str(exc), "errors": [p.model_dump() for p in exc.problems]}
         _emit_failure(req, error)
@@ -109,7 +134,7 @@ def fit(req: RunRequest, fail_at: str | None = None):
     except Exception as exc:  # noqa: BLE001 - every training failure becomes one structured error
         failures = failure_records(req.output_dir, req.attempt, since=started)
         if failures:
-            error = {k: failures[0].get(k) for k in ("code", "message", "rank", "step", "phase")}
+            error = {k: failures[0].get(k) for k in FAILURE_FIELDS}
         else:
             error = {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"[:2000]}
             failures = [_failure(req, error)]
@@ -120,9 +145,9 @@ def fit(req: RunRequest, fail_at: str | None = None):
 
 
 def _failure(req: RunRequest, error: dict) -> dict:
-    details = {k: v for k, v in error.items() if k not in ("code", "message", "rank", "step", "phase")}
+    details = {k: v for k, v in error.items() if k not in FAILURE_FIELDS}
     return {"kind": "failure", "attempt": req.attempt, "time": time.time(),
-            **{k: error.get(k) for k in ("code", "message", "rank", "step", "phase")}, "details": details}
+            **{k: error.get(k) for k in FAILURE_FIELDS}, "details": details}
 
 
 def _emit_failure(req: RunRequest, error: dict) -> None:

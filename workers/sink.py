@@ -123,7 +123,8 @@ def failure_records(output_dir: str | Path, attempt: int, since: float = 0.0) ->
         except (OSError, json.JSONDecodeError):
             continue
         out.append({"kind": "failure", "attempt": attempt, "time": path.stat().st_mtime,
-                    **{k: f.get(k) for k in ("code", "message", "rank", "step", "phase")}, "details": f.get("details") or {}})
+                    **{k: f.get(k) for k in ("code", "message", "param", "rank", "step", "phase")},
+                    "details": f.get("details") or {}})
     return out
 
 
