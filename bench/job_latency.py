@@ -131,7 +131,9 @@ def main() -> None:
 
         print("warm-up run (not measured) …", flush=True)
         _, _, warm_id = run_memfit(http, train_id, args.steps)
-        request = json.loads((settings.storage_dir / "jobs" / warm_id / "request-attempt-1.json").read_text())
+        from service.scheduler import request_path
+
+        request = json.loads(request_path(settings, warm_id, 1).read_text())
         run_direct(service.scheduler.ray, request, work, 0)
 
         memfit_start, memfit_end, direct_start, direct_end = [], [], [], []

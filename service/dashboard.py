@@ -14,14 +14,13 @@ buffers). ``other`` in the charts is ``temporary_bytes + other_bytes`` of a samp
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from service import artifacts
 from service.auth import Principal
 from service.jobs import get_job, list_jobs
 from service.models import Checkpoint, Job, JobEvent, MemorySample
@@ -37,7 +36,7 @@ PLAN_KEYS = {"parameters": ("parameters", "parameters_bytes"),
              "optimizer_states": ("optimizer_states", "optimizer_states_bytes", "optimizer", "optimizer_bytes"),
              "activations": ("activations", "activations_bytes"),
              "other": ()}
-MAX_FILES = 500
+MAX_FILES = artifacts.MAX_FILES
 
 
 def _num(v: Any) -> int | None:
@@ -225,48 +224,11 @@ def compare_job(session: Session, job: Job, plan: dict | None) -> dict[str, Any]
 # --- files --------------------------------------------------------------------------------------
 
 
-def output_root(job: Job, settings: Settings) -> Path:
-    return Path(job.output_dir) if job.output_dir else settings.storage_dir / "jobs" / job.id
-
-
-def list_output_files(job: Job, settings: Settings) -> list[dict[str, Any]]:
-    root = output_root(job, settings).resolve()
-    if not root.is_dir():
-        return []
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            p = Path(dirpath) / name
-            if p.is_symlink() or name.endswith(".part"):
-                continue
-            try:
-                size = p.stat().st_size
-            except OSError:
-                continue
-            out.append({"path": p.relative_to(root).as_posix(), "bytes": size})
-            if len(out) >= MAX_FILES:
-                return out
-    return out
-
-
-class FileNotInJob(LookupError):
-    pass
-
-
-def output_file(job: Job, settings: Settings, relpath: str) -> Path:
-    """The file ``relpath`` under the job's output directory. Raises FileNotInJob for anything else:
-    absolute paths, ``..`` segments, symlinks leading out, directories, missing files."""
-    root = output_root(job, settings).resolve()
-    if not relpath or relpath.startswith(("/", "\\")) or "\x00" in relpath:
-        raise FileNotInJob(relpath)
-    parts = Path(relpath).parts
-    if any(p in ("..", ".") for p in parts):
-        raise FileNotInJob(relpath)
-    target = (root / relpath).resolve()
-    if target == root or root not in target.parents or not target.is_file():
-        raise FileNotInJob(relpath)
-    return target
+# What of the output folder a tenant may see is service.artifacts' allowlist, in one place.
+output_root = artifacts.output_root
+list_output_files = artifacts.list_artifacts
+output_file = artifacts.artifact_file
+FileNotInJob = artifacts.FileNotInJob
 
 
 # --- the job page -------------------------------------------------------------------------------

@@ -14,17 +14,22 @@ job). One batch is one transaction:
 - ``trained_tokens`` and ``estimated_finish`` follow the latest metrics; a ``result`` record sets
   ``fine_tuned_model`` and ``result_files`` and moves the job to ``succeeded``; a ``failure`` record
   moves it to ``failed`` with the structured error (code, message, rank, step, phase, details).
+
+:func:`replay` is the second way in: the scheduler stores what a run spooled but never delivered
+(the API was away when it ended) under the same rules, without the token.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -41,6 +46,7 @@ from service.records import (
     IngestBatch,
     MemoryRecord,
     MetricsRecord,
+    Record,
     ResultRecord,
 )
 from service.scheduler import ingest_token_matches
@@ -48,6 +54,8 @@ from service.settings import Settings
 from service.states import JobStatus, transition
 
 ACCEPTING = (JobStatus.running.value, JobStatus.paused.value)
+_RECORD = TypeAdapter(Record)
+log = logging.getLogger("memfit.ingest")
 
 
 class InvalidIngestToken(DomainError):
@@ -82,6 +90,32 @@ def ingest(session: Session, settings: Settings, job_id: str, token: str | None,
         raise JobNotFound(job_id)
     if token is None or not ingest_token_matches(token, job.ingest_token_hash):
         raise InvalidIngestToken(f"this ingest token does not belong to job {job_id}")
+    return _accept(session, settings, job, batch)
+
+
+def replay(session: Session, settings: Settings, job_id: str, records: list[dict[str, Any]]) -> IngestResult:
+    """Store records read back from a run's spool (service/spool.py): the scheduler's way in when the
+    run ended before its sink could deliver them. No token — the scheduler is trusted and reads the
+    attempt's own file — but otherwise exactly ``ingest``: records of another attempt, or for a job
+    that accepts no more records, are refused whole (StaleAttempt, JobNotAccepting), and what is
+    already stored is not stored again. A record that does not parse is skipped, as the API would."""
+    valid = []
+    for raw in records:
+        try:
+            valid.append(_RECORD.validate_python(raw))
+        except ValidationError as exc:
+            log.warning("job %s: skipping a spooled %s record that does not parse: %s", job_id,
+                        raw.get("kind"), "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                                   for e in exc.errors()[:3]))
+    job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
+    if job is None:
+        raise JobNotFound(job_id)
+    return _accept(session, settings, job, IngestBatch.model_construct(records=valid))
+
+
+def _accept(session: Session, settings: Settings, job: Job, batch: IngestBatch) -> IngestResult:
+    """The fencing and the transaction both ways in share; ``job`` is locked FOR UPDATE."""
+    job_id = job.id
     attempts = {r.attempt for r in batch.records}
     stale = sorted(a for a in attempts if a != job.attempt)
     if stale:

@@ -17,7 +17,13 @@ One loop (``Scheduler.tick``, every ``settings.poll_seconds``) does, in order:
    with the driver's error type and last log lines, STOPPED → ``cancelled``/``paused`` when the user
    asked for it, a submission Ray no longer knows (head restart) → ``queued`` again, so the next claim
    resubmits it as a new attempt that resumes from the latest checkpoint in the same storage path;
-   jobs already terminal or paused in the database whose Ray job still runs are stopped.
+   jobs already terminal or paused in the database whose Ray job still runs are stopped. A run that
+   ended (or was lost) with records its sink never got confirmed — the API was away — has them
+   stored from its spool first (``metrics-attempt-N.jsonl``, service/spool.py) through
+   service.ingest, so a result or failure record in it ends the job as the run did.
+
+The run request (with the attempt's ingest token) is written under ``<storage>/requests/``, outside
+the job's output folder that tenants read artefacts from.
 
 The database, not Ray, is the source of truth; every status write is fenced on the attempt number,
 so a scheduler that lost its lease (or a late worker) cannot overwrite newer state.
@@ -55,7 +61,7 @@ from urllib.parse import urlparse
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import metrics
+from service import metrics, spool
 from service.errors import InvalidTransition, JobNotFound, StaleAttempt
 from service.jobs import add_event
 from service.models import Checkpoint, File, Job, JobEvent
@@ -97,7 +103,20 @@ def submission_id(job_id: str, attempt: int) -> str:
 
 
 def job_dir(settings: Settings, job_id: str) -> Path:
+    """The job's output folder: checkpoints, artifacts, the run's spool. Tenants read a part of it
+    (service.artifacts' allowlist), so nothing secret is written here."""
     return settings.storage_dir / "jobs" / job_id
+
+
+def request_path(settings: Settings, job_id: str, attempt: int) -> Path:
+    """Where an attempt's run request lies — it holds the ingest token, so outside the job's output
+    folder, in an operator-only folder of the shared storage (every Ray node must read it)."""
+    return settings.storage_dir / "requests" / job_id / f"request-attempt-{attempt}.json"
+
+
+def spool_path(settings: Settings, job_id: str, attempt: int) -> Path:
+    """The attempt's record spool (service/spool.py), which its metrics sink writes and delivers."""
+    return job_dir(settings, job_id) / f"metrics-attempt-{attempt}.jsonl"
 
 
 # --- the Ray side -------------------------------------------------------------------------------
@@ -512,7 +531,7 @@ class Scheduler:
             output_dir=str(out),
             ingest_url=self.settings.api_url.rstrip("/") + INGEST_PATH.format(job_id=job.id),
             ingest_token=token,
-            metrics_path=str(out / f"metrics-attempt-{attempt}.jsonl"),
+            metrics_path=str(spool_path(self.settings, job.id, attempt)),
             plan=job.plan,
         )
 
@@ -527,10 +546,10 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - e.g. a file deleted since validation
                 self._fail(job_id, attempt, "submission_failed", f"could not build the run request: {exc}")
                 return
-        out = Path(request.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"request-attempt-{attempt}.json"
-        # The file carries the ingest token: readable by the owner only.
+        Path(request.output_dir).mkdir(parents=True, exist_ok=True)
+        path = request_path(self.settings, job_id, attempt)
+        # The file carries the ingest token: outside the folder tenants read, readable by the owner only.
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(request.model_dump_json(indent=1))
@@ -647,12 +666,19 @@ class Scheduler:
         # Ray says the job is over. The worker posts its result/failure before the driver exits, so
         # the database normally is terminal already; give an in-flight post a moment to land.
         if st.status == "STOPPED" and desired in ("cancel", "pause"):
+            if desired == "pause":
+                self._replay_spool(job_id, attempt)  # its last checkpoint, should the API have missed it
             to = JobStatus.cancelled if desired == "cancel" else JobStatus.paused
             self._finish(job_id, attempt, to, lease_owner=None, desired_state=None)
             return
         if watch.ray_terminal_since is None:
             watch.ray_terminal_since = time.monotonic()
         if time.monotonic() - watch.ray_terminal_since < self.result_grace_s:
+            return
+        # What the run's sink could not deliver (the API was away when the run ended) is still in
+        # its spool: store it now; its result or failure record then ends the job as the run did.
+        if self._replay_spool(job_id, attempt) != JobStatus.running.value:
+            self._watch.pop(job_id, None)
             return
         if st.status == "SUCCEEDED":
             self._fail(job_id, attempt, "missing_result",
@@ -697,7 +723,11 @@ class Scheduler:
     def _vanished(self, job_id: str, attempt: int, sid: str) -> None:
         """Ray does not know the submission: never made (a scheduler died between claim and submit)
         or lost (head restart). Requeue: the next claim is a new attempt that resumes from the latest
-        checkpoint in the job's storage path."""
+        checkpoint in the job's storage path. What the lost run spooled is stored first: it may have
+        finished, or checkpointed, before its submission was lost."""
+        if self._replay_spool(job_id, attempt) != JobStatus.running.value:
+            self._watch.pop(job_id, None)
+            return
         with self.sessions.begin() as s:
             job = s.get(Job, job_id)
             if job is None or job.attempt != attempt or job.status != JobStatus.running.value:
@@ -709,6 +739,48 @@ class Scheduler:
                  lease_expires_at=None, ray_status=None,
                  event_data={"reason": "ray_submission_missing", "submission_id": sid, "attempt": attempt})
         self._watch.pop(job_id, None)
+
+    def _replay_spool(self, job_id: str, attempt: int) -> str | None:
+        """Store what the attempt's spool holds past its delivered offset, through service.ingest —
+        the API's own storage code, so the fencing is the same (records of another attempt, or for a
+        job that no longer accepts records, are refused) and nothing is stored twice. Call it only
+        once the run has ended (its sink no longer delivers). Returns the job's status afterwards
+        (None when the job is gone)."""
+        from service import ingest  # service.ingest imports this module
+
+        path = spool_path(self.settings, job_id, attempt)
+        offset = spool.delivered_offset(path)
+        pending = spool.size(path) - offset
+        note = True
+        while pending > 0:
+            try:
+                records, end = spool.read(path, offset)
+            except OSError as exc:
+                log.warning("cannot read the spool %s: %s", path, exc)
+                break
+            if end == offset:
+                break  # only a torn last line is left
+            if records:
+                with self.sessions() as s:
+                    if note:  # in the transaction of the first batch: stored with it, or not at all
+                        add_event(s, job_id, f"Storing {pending} bytes of records from the run's spool that the "
+                                  f"API had not confirmed ({path.name})", level="warn", attempt=attempt,
+                                  data={"spool": path.name, "from_byte": offset, "bytes": pending,
+                                        "attempt": attempt},
+                                  dedupe_key=f"replay:{attempt}:{offset}")
+                    try:
+                        result = ingest.replay(s, self.settings, job_id, records)
+                    except (StaleAttempt, ingest.JobNotAccepting, JobNotFound) as exc:
+                        log.info("replay of %s stopped: %s", path, exc)
+                        break
+                note = False
+                if result.status not in ingest.ACCEPTING:  # its result or failure ended the job
+                    spool.mark_delivered(path, end)
+                    break
+            spool.mark_delivered(path, end)
+            offset = end
+        with self.sessions() as s:
+            return s.scalar(select(Job.status).where(Job.id == job_id))
 
     def _stop_stray(self, job_id: str, attempt: int, status: str, stop: bool = True) -> None:
         sid = submission_id(job_id, attempt)

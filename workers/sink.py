@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
+import os
 import time
 from pathlib import Path
 from typing import Any, Protocol
+
+from service import spool
 
 log = logging.getLogger(__name__)
 
@@ -38,40 +40,47 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """Appends one JSON object per line; each batch is opened, written and closed, so the file is
-    complete after every write and several processes (controller, driver) may append."""
+    """Appends one JSON object per line, each batch in one write(2) (service.spool.append), so the file
+    is complete after every write and several processes (controller, driver) may append."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._lock = threading.Lock()
 
     def write(self, records: list[dict]) -> None:
-        if not records:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = "".join(json.dumps(r, default=str) + "\n" for r in records)
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(text)
+        spool.append(self.path, records)
 
     def close(self) -> None:
         pass
 
 
+INGEST_WAIT_ENV = "MEMFIT_WORKER_INGEST_WAIT_S"
+
+
 def make_sinks(run_request) -> list[MetricsSink]:
-    """JsonlSink when ``metrics_path`` is set; the API's HttpSink when ``ingest_url`` is set.
-    ``run_request`` is a RunRequest or any object/dict with those fields."""
+    """With ``ingest_url``: the API's HttpSink, spooling to ``metrics_path`` — the JSON-lines file is
+    its buffer on disk and what the scheduler replays from, so it is written once, by that sink. With
+    ``metrics_path`` alone: a JsonlSink. ``run_request`` is a RunRequest or any object/dict with those
+    fields. How long closing the HttpSink waits for the API is MEMFIT_WORKER_INGEST_WAIT_S (default
+    60 s; the scheduler forwards MEMFIT_WORKER_* variables into the Ray job)."""
     get = run_request.get if isinstance(run_request, dict) else lambda k: getattr(run_request, k, None)
-    sinks: list[MetricsSink] = []
-    if get("metrics_path"):
-        sinks.append(JsonlSink(get("metrics_path")))
     if get("ingest_url"):
         try:
             from workers.sink_http import HttpSink
         except ImportError as exc:
             log.warning("ingest_url is set but workers.sink_http is unavailable (%s); metrics go to JSON lines only", exc)
         else:
-            sinks.append(HttpSink(get("ingest_url"), get("ingest_token")))
-    return sinks
+            return [HttpSink(get("ingest_url"), get("ingest_token"), spool=get("metrics_path"),
+                             close_timeout_s=_ingest_wait_s())]
+    return [JsonlSink(get("metrics_path"))] if get("metrics_path") else []
+
+
+def _ingest_wait_s() -> float:
+    raw = os.environ.get(INGEST_WAIT_ENV, "60")
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds; using 60", INGEST_WAIT_ENV, raw)
+        return 60.0
 
 
 # --- per-rank reports → records -----------------------------------------------------------------

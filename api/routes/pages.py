@@ -7,8 +7,9 @@
   is embedded as JSON (``<script type="application/json" id="page-data">``) and updated live from the
   SSE stream (api/routes/stream.py) plus ``/ui/jobs/{id}/memory.json`` for new memory samples.
 - ``/ui/planner``: the memory planner as a form.
-- ``/v1/fine_tuning/jobs/{id}/artifacts[/{path}]``: files under the job's output directory
-  (path-traversal safe, tenant-checked), with the API key or the cookie.
+- ``/v1/fine_tuning/jobs/{id}/artifacts[/{path}]``: the job's model artefacts, by service.artifacts'
+  allowlist (nothing else of its output folder: no Ray internals, spools or failure files; no
+  ``..`` or symlinks), tenant-checked, with the API key or the cookie.
 
 Charts are drawn by Chart.js, vendored in api/static (MIT) so the pages work with no internet.
 """
@@ -26,7 +27,7 @@ from fastapi.templating import Jinja2Templates
 
 from api.deps import ReadSessionDep, SettingsDep
 from api.web_auth import COOKIE, WebPrincipalDep, credentials
-from service import dashboard, jobs
+from service import artifacts, dashboard, jobs
 from service.auth import authenticate
 from service.errors import NotFound, Unauthorized
 from service.states import JobStatus
@@ -158,23 +159,23 @@ def job_memory_json(job_id: str, session: ReadSessionDep, principal: WebPrincipa
 
 
 @router.get("/v1/fine_tuning/jobs/{job_id}/artifacts", tags=["fine-tuning"],
-            summary="Files under the job's output directory")
+            summary="The job's model artefacts: adapter, merged, model, checkpoints' metrics")
 def list_artifacts(job_id: str, session: ReadSessionDep, principal: WebPrincipalDep, settings: SettingsDep):
     job = jobs.get_job(session, principal, job_id)
-    files = dashboard.list_output_files(job, settings)
+    files = artifacts.list_artifacts(job, settings)
     return {"object": "list", "data": [{**f, "url": f"/v1/fine_tuning/jobs/{job_id}/artifacts/{f['path']}"}
-                                       for f in files], "has_more": len(files) >= dashboard.MAX_FILES}
+                                       for f in files], "has_more": len(files) >= artifacts.MAX_FILES}
 
 
 @router.get("/v1/fine_tuning/jobs/{job_id}/artifacts/{path:path}", tags=["fine-tuning"],
-            summary="Download one file of the job's output directory", response_class=FileResponse)
+            summary="Download one of the job's model artefacts", response_class=FileResponse)
 def download_artifact(job_id: str, path: str, session: ReadSessionDep, principal: WebPrincipalDep,
                       settings: SettingsDep) -> Response:
     job = jobs.get_job(session, principal, job_id)
     try:
-        target = dashboard.output_file(job, settings, path)
-    except dashboard.FileNotInJob:
-        raise NotFound(f"No file {path!r} in the output of job {job_id}", param="path", code="file_not_found") from None
+        target = artifacts.artifact_file(job, settings, path)
+    except artifacts.FileNotInJob:
+        raise NotFound(f"No artefact {path!r} in job {job_id}", param="path", code="file_not_found") from None
     return FileResponse(target, filename=target.name, media_type="application/octet-stream")
 
 
