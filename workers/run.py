@@ -98,7 +98,8 @@ def build_trainer(req: RunRequest, fail_at: str | None = None):
                               ingest_token=req.ingest_token)
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"request": req.model_dump(mode="json"),
+        # The workers never post records (the controller's callback does): they do not get the token.
+        train_loop_config={"request": req.model_dump(mode="json", exclude={"ingest_token"}),
                            "fail_at": fail_at if fail_at is not None else _fail_at_from_env()},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
                                  timeout_s=int(os.environ.get("MEMFIT_DIST_TIMEOUT_S", "1800"))),
