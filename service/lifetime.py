@@ -126,12 +126,15 @@ class Ownership:
         return chained(os.environ.get(OWNER_ENV), self.token)
 
     def owner_alive(self) -> bool:
-        started = process_started(self.owner_pid)
-        return started is not None and (self.owner_started is None
-                                        or abs(started - self.owner_started) <= _CLOCK_SLACK_S)
-
-    def is_local(self) -> bool:
-        return self.host == socket.gethostname() and self.boot_id == _boot_id()
+        """The owner still runs: same pid, same start time (pids are reused), not a zombie."""
+        try:
+            owner = psutil.Process(self.owner_pid)
+            if owner.status() == psutil.STATUS_ZOMBIE:
+                return False
+            started = owner.create_time()
+        except psutil.Error:
+            return False
+        return self.owner_started is None or abs(started - self.owner_started) <= _CLOCK_SLACK_S
 
     # --- which processes are ours --------------------------------------------------------------
 
@@ -284,7 +287,9 @@ class _StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if self.stopping:
-            log.warning("%s while stopping: ignored, ending what memfit started first", signal.Signals(signum).name)
+            # Not now: the cleanup must not be cut short. We still end by this signal once it is done.
+            log.warning("%s while stopping: ending what memfit started first", signal.Signals(signum).name)
+            self.received = self.received or signum
             return
         self.stopping = True
         self.received = signum

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -140,17 +141,20 @@ class Run:
         return out
 
     def kill_leftovers(self) -> None:
-        """After a failed test: SIGKILL what this run left (proven by the marker), until none is left."""
+        """After a failed test: SIGKILL what this run left (proven by the marker) until none is left,
+        and remove its Ray temp dirs."""
         for _ in range(20):
             procs = self.processes()
             if not procs:
-                return
+                break
             for proc in procs:
                 try:
                     proc.kill()
                 except psutil.Error:
                     pass
             psutil.wait_procs(procs, timeout=2)
+        for temp_dir in self.temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
     def assert_nothing_left(self) -> None:
         assert self.proc is not None and self.proc.poll() is not None, "memfit has not exited"
@@ -166,8 +170,8 @@ class Run:
 def runs(tmp_path):
     made: list[Run] = []
 
-    def make(name: str, home: Path | None = None) -> Run:
-        run = Run(home or tmp_path, name)
+    def make(name: str) -> Run:  # runs of one test share its tmp_path: one storage dir, one database
+        run = Run(tmp_path, name)
         made.append(run)
         return run
 
@@ -215,23 +219,6 @@ def serve_until_ray_is_up(run: Run, port: int, *args: str) -> Path:
     return log
 
 
-def submit_tiny_job(run: Run, port: int) -> str:
-    from service.run_command import load_job_file
-
-    key = subprocess.run([str(MEMFIT), "keys", "create", "--tenant", "cleanup"], cwd=run.home, env=run.env(),
-                         capture_output=True, text=True, timeout=120, check=True).stdout.strip()
-    body, files = load_job_file(TINY_JOB)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"},
-                      timeout=60) as http:
-        for name, local in files.items():
-            r = http.post("/v1/files", files={"file": (local.name, local.read_bytes())}, data={"purpose": "fine-tune"})
-            assert r.status_code == 200, r.text
-            body[name] = r.json()["id"]
-        r = http.post("/v1/fine_tuning/jobs", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["id"]
-
-
 def training(run: Run) -> bool:
     """The Ray job is mid-flight: its driver (`workers.run`, in a session of its own) and Ray Train workers."""
     return run.has("workers.run") and run.has("ray::RayTrainWorker")
@@ -256,17 +243,18 @@ def test_serve_sigterm_ends_the_ray_head_it_started(runs):
     run.assert_nothing_left()
 
 
-def test_serve_sigint_with_uvicorn_workers_ends_the_running_job_too(runs):
+def test_serve_ctrl_c_while_its_ray_head_starts_ends_the_head(runs):
+    """Ctrl-C (SIGINT) while the local Ray head is still starting, the 10–60 s of every start here."""
     run = runs("serve-int")
     port = free_port()
-    serve_until_ray_is_up(run, port, "--workers", "2")
-    assert len(run.uvicorn_workers()) == 2
-    submit_tiny_job(run, port)
-    wait_for(lambda: training(run), 300, "the job's driver and Ray Train workers", run.proc)
+    log = start_serve(run, port)
+    wait_for(lambda: run.has("--head") and run.has("gcs_server"), 120, "the Ray head's GCS", run.proc, log)
+    assert not healthy(port)  # still starting
 
     run.proc.send_signal(signal.SIGINT)
     run.proc.wait(120)
     run.assert_nothing_left()
+    assert run.proc.returncode == -signal.SIGINT  # it ends the way SIGINT ends a process
 
 
 def test_serve_after_sigkill_ends_what_the_killed_one_left(runs):
@@ -317,20 +305,78 @@ def test_run_stopped_by_timeout_ends_the_job_and_the_ray_head(runs):
     assert job_status(run) != "succeeded"  # it was stopped mid-job
 
 
-def test_run_failing_mid_job_ends_the_job_and_the_ray_head(runs):
-    """An exception mid-job: `memfit run x.yaml | head -n 12` — the reader goes away and memfit's next
-    line of output raises (rich turns the BrokenPipeError into SystemExit(1))."""
-    run = runs("run-broken-pipe")
+def test_run_failing_to_start_ends_the_ray_head_it_had_started(runs):
+    """An exception half-way through starting: the database file is not a database (a crash, a
+    foreign file), so the API fails while the Ray head, started alongside it, comes up."""
+    run = runs("run-bad-db")
+    (run.home / "memfit.db").write_bytes(b"this is not an SQLite database\n" * 200)
+    log = run.home / "run.log"
     run.proc = subprocess.Popen([str(MEMFIT), "run", str(TINY_JOB)], cwd=run.home, env=run.env(),
-                                stdout=subprocess.PIPE, stderr=(run.home / "run.err").open("wb"))
-    lines = []
-    while not any(b"is RUNNING" in line for line in lines):
-        line = run.proc.stdout.readline()
-        assert line, b"".join(lines).decode()
-        lines.append(line)
-    wait_for(lambda: training(run), 300, "the job's driver and Ray Train workers", run.proc)
-    run.proc.stdout.close()  # `head` has read its lines
+                                stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    saw_head = False
+    deadline = time.monotonic() + 300
+    while run.proc.poll() is None and time.monotonic() < deadline:
+        saw_head = saw_head or (run.has("raylet") and run.has("gcs_server"))
+        time.sleep(0.5)
 
-    assert run.proc.wait(300) == 1
+    assert run.proc.wait(60) == 1
+    assert "file is not a database" in log.read_text()
+    assert saw_head and run.temp_dirs  # the head was up: there was something to stop
     run.assert_nothing_left()
-    assert job_status(run) != "succeeded"  # the exception came mid-job
+
+
+# --- the record: what the next start may end, and what it must not ---------------------------------
+
+OWNER_SCRIPT = """
+import os, subprocess, sys, time
+from pathlib import Path
+from service.lifetime import OWNER_ENV, Ownership
+own = Ownership(label="owner").in_record(Path(sys.argv[1]))
+os.environ[OWNER_ENV] = own.env_chain()
+a = subprocess.Popen(["sleep", "300"])
+b = subprocess.Popen(["sleep", "300"], start_new_session=True)  # as Ray's job drivers do
+print(a.pid, b.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_next_start_ends_only_what_a_dead_owners_record_proves(tmp_path):
+    import json
+
+    from service.lifetime import reap_stale
+
+    run_dir = tmp_path / "run"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, str(run_dir)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    children: list[psutil.Process] = []
+    bystander = None
+    try:
+        children = [psutil.Process(int(pid)) for pid in owner.stdout.readline().split()]
+        bystander = subprocess.Popen(["sleep", "300"])  # younger than the record, but without its token
+        record = next(run_dir.glob("*.json"))
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        # The same token in a record written on another machine that shares the storage dir, its owner
+        # (a pid number there) gone here: only the host in the record keeps us off these processes.
+        foreign = json.loads(record.read_text()) | {"host": "another-machine", "owner_pid": gone.pid}
+        (run_dir / "foreign.json").write_text(json.dumps(foreign))
+
+        assert reap_stale(run_dir) == []  # the owner is alive: its processes are its own business
+        assert all(c.is_running() for c in children)
+
+        owner.kill()
+        owner.wait(10)
+        ended = reap_stale(run_dir)
+        assert sorted(int(e.split()[0]) for e in ended) == sorted(c.pid for c in children)
+        assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+        assert bystander.poll() is None
+        assert sorted(p.name for p in run_dir.iterdir()) == ["foreign.json"]  # left for its own host
+    finally:
+        for proc in [owner] + ([bystander] if bystander else []):
+            proc.kill()
+            proc.wait(10)
+        for child in children:  # the owner printed their pids: ours to end if the test failed early
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
