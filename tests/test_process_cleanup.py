@@ -261,8 +261,8 @@ def test_serve_after_sigkill_ends_what_the_killed_one_left(runs):
     first = runs("serve-killed")
     port = free_port()
     serve_until_ray_is_up(first, port, "--workers", "2")
+    wait_for(lambda: len(first.uvicorn_workers()) == 2, 60, "uvicorn's two worker processes", first.proc)
     workers = first.uvicorn_workers()
-    assert len(workers) == 2
     first.proc.kill()
     first.proc.wait(30)
     # What SIGKILL leaves: the whole Ray head, and uvicorn's workers, still serving on the port.
