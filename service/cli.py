@@ -26,19 +26,29 @@ def serve(
     workers: int = typer.Option(1, help="uvicorn worker processes."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
-    """Start the API (SQLite embedded mode migrates itself; on Postgres run `memfit db upgrade` first)."""
+    """Start the API (SQLite embedded mode migrates itself; on Postgres run `memfit db upgrade` first).
+
+    SIGTERM, SIGINT and SIGHUP stop it with everything it started: uvicorn's workers, the scheduler
+    and the local Ray head with all it forked (service/lifetime.py); a start after a SIGKILL ends what
+    the killed one left."""
     import uvicorn
 
+    from service.embedded import run_dir
+    from service.lifetime import command_lifetime
     from service.settings import get_settings
 
     settings = get_settings()  # refuse unsafe settings before binding the port
-    if not settings.scheduler_enabled:
-        uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
-        return
-    from service.embedded import background_scheduler, with_api_url  # the scheduler (+ local Ray head)
+    # uvicorn re-raises the SIGTERM it shut down for with the default handler, which would end this
+    # process before any `finally` here; command_lifetime turns it into an exception we unwind with.
+    with command_lifetime(run_dir(settings), "memfit serve"):
+        if not settings.scheduler_enabled:
+            uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
+            return
+        from service.embedded import background_scheduler, with_api_url  # the scheduler (+ local Ray head)
 
-    with background_scheduler(with_api_url(settings, host, port)):
-        uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
+        with background_scheduler(with_api_url(settings, host, port)):
+            uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers,
+                        log_level=log_level)
 
 
 def _sessions():

@@ -6,6 +6,9 @@
   without MEMFIT_RAY_ADDRESS it starts a local Ray head on free ports and stops exactly that head.
 - ``memfit run examples/x.yaml``: the embedded service in the background of one command, one job
   over HTTP with a live progress bar, a summary, and everything it started shut down again.
+
+Each command runs inside ``service.lifetime.command_lifetime(run_dir(settings), …)``: whatever way it
+ends, every process it started ends with it, and the next start ends what a SIGKILLed one left.
 """
 
 from __future__ import annotations
@@ -20,10 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from service.lifetime import command_lifetime
 from service.raycluster import LocalRayHead, free_port
 from service.settings import Settings
 
 log = logging.getLogger("memfit.embedded")
+
+
+def run_dir(settings: Settings) -> Path:
+    """Where a command records what it started (service/lifetime.py), next to the data it serves."""
+    return settings.storage_dir / "run"
 
 
 def ray_for(settings: Settings, *, log_path: Path | None = None) -> tuple[Any, LocalRayHead | None]:
@@ -34,7 +43,8 @@ def ray_for(settings: Settings, *, log_path: Path | None = None) -> tuple[Any, L
         return RayJobs(settings.ray_address, auth_mode=settings.ray_auth_mode), None
     os.environ.setdefault("RAY_AUTH_MODE", settings.ray_auth_mode)
     num_cpus = max(4, os.cpu_count() or 1)
-    head = LocalRayHead(num_cpus=num_cpus, auth_mode=settings.ray_auth_mode, log_path=log_path).start()
+    head = LocalRayHead(num_cpus=num_cpus, auth_mode=settings.ray_auth_mode, log_path=log_path,
+                        record_dir=run_dir(settings)).start()
     return RayJobs(head.dashboard_url, auth_mode=settings.ray_auth_mode), head
 
 
@@ -53,15 +63,17 @@ def background_scheduler(settings: Settings, *, ray_log: Path | None = None) -> 
     from service.scheduler import start_in_thread
 
     ray, head = ray_for(settings, log_path=ray_log)
-    scheduler = make_scheduler(settings, ray)
-    thread, stop = start_in_thread(scheduler)
+    thread = stop = None
     try:
+        scheduler = make_scheduler(settings, ray)
+        thread, stop = start_in_thread(scheduler)
         yield scheduler
     finally:
-        stop.set()
-        thread.join(30)
+        if stop is not None:
+            stop.set()
+            thread.join(30)
         if head is not None:
-            head.stop(timeout_s=10)
+            head.stop()
 
 
 def with_api_url(settings: Settings, host: str, port: int) -> Settings:
@@ -82,17 +94,19 @@ def scheduler_main(settings: Settings) -> None:
 
     if settings.is_sqlite:
         db.upgrade(settings.database_url)
-    ray, head = ray_for(settings)
-    sessions = db.make_sessionmaker(db.make_engine(settings.database_url, pool_size=4))
-    scheduler = Scheduler(sessions, settings, ray)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        scheduler.run(stop)
-    finally:
-        if head is not None:
-            head.stop(timeout_s=10)
+    with command_lifetime(run_dir(settings), "memfit scheduler"):
+        ray, head = ray_for(settings)
+        try:
+            sessions = db.make_sessionmaker(db.make_engine(settings.database_url, pool_size=4))
+            scheduler = Scheduler(sessions, settings, ray)
+            stop = threading.Event()
+            # Once running, a signal ends the loop at its next turn (leases released), not mid-step.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
+            scheduler.run(stop)
+        finally:
+            if head is not None:
+                head.stop()
 
 
 # --- the embedded service ---------------------------------------------------------------------------
@@ -140,25 +154,28 @@ class EmbeddedService:
         ray_thread = threading.Thread(target=start_ray, name="memfit-ray-start", daemon=True)
         ray_thread.start()
         try:
-            self.app = create_app(self.settings)
-            config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
-            self._server = uvicorn.Server(config)
-            self._server_thread = threading.Thread(target=self._server.run, name="memfit-api", daemon=True)
-            self._server_thread.start()
-            deadline = time.monotonic() + 60
-            while not self._server.started:
-                if time.monotonic() > deadline or not self._server_thread.is_alive():
-                    raise RuntimeError(f"the API did not start on {self.url}")
-                time.sleep(0.05)
-            self._started.append("api")
-        finally:
-            ray_thread.join()
-        if "error" in ray_box:
+            try:
+                self.app = create_app(self.settings)
+                config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+                self._server = uvicorn.Server(config)
+                self._server_thread = threading.Thread(target=self._server.run, name="memfit-api", daemon=True)
+                self._server_thread.start()
+                deadline = time.monotonic() + 60
+                while not self._server.started:
+                    if time.monotonic() > deadline or not self._server_thread.is_alive():
+                        raise RuntimeError(f"the API did not start on {self.url}")
+                    time.sleep(0.05)
+                self._started.append("api")
+            finally:
+                _join_through_interrupts(ray_thread)  # the head it is starting must not slip past stop()
+                self.head = ray_box.get("head")
+            if "error" in ray_box:
+                raise ray_box["error"]
+            self.scheduler = make_scheduler(self.settings, ray_box["ray"], sessions=self.app.state.sessions)
+            self._sched_thread, self._sched_stop = start_in_thread(self.scheduler)
+        except BaseException:  # an error or a signal half-way: stop what did start (the Ray head above all)
             self.stop()
-            raise ray_box["error"]
-        self.head = ray_box["head"]
-        self.scheduler = make_scheduler(self.settings, ray_box["ray"], sessions=self.app.state.sessions)
-        self._sched_thread, self._sched_stop = start_in_thread(self.scheduler)
+            raise
         return self
 
     def stop(self) -> None:
@@ -171,7 +188,7 @@ class EmbeddedService:
             self._server_thread.join(15)
             self._server = None
         if self.head is not None:
-            self.head.stop(timeout_s=10)
+            self.head.stop()
             self.head = None
 
     def __enter__(self) -> "EmbeddedService":
@@ -179,6 +196,18 @@ class EmbeddedService:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _join_through_interrupts(thread: threading.Thread) -> None:
+    """Join even when Ctrl-C or SIGTERM (service.lifetime.Stopped) arrives meanwhile; re-raise it after."""
+    interrupted: BaseException | None = None
+    while thread.is_alive():
+        try:
+            thread.join()
+        except KeyboardInterrupt as exc:
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def quiet_logging(log_file: Path) -> None:

@@ -3,7 +3,8 @@
 The embedded service (`memfit run`, `memfit serve` without MEMFIT_RAY_ADDRESS) and the test suite
 share this: `ray start --head --block` as a child process on free, non-default ports, so that
 stopping it stops exactly the Ray processes we started (never `ray stop`, which kills every Ray
-process of the user on the host). No ray import here: this module runs in the service process.
+process of the user on the host; how a process is known to be ours: service/lifetime.py). No ray
+import here: this module runs in the service process.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from service.lifetime import OWNER_ENV, Ownership, process_started
 
 
 def free_port() -> int:
@@ -40,13 +43,21 @@ def ray_env(auth_mode: str = "disabled") -> dict[str, str]:
 
 @dataclass
 class LocalRayHead:
+    """``ray start --head --block`` as a session leader we own. Its Ownership (a token in every Ray
+    process's environment, its session, its temp dir; recorded under ``record_dir`` when given, so the
+    next memfit start ends it after a SIGKILL) lets ``stop()`` end the processes Ray moves out of
+    the head's process group (each worker gets its own) and out of its session (job drivers, and the
+    shell loop watching each driver, call setsid)."""
+
     num_cpus: int = 8
     auth_mode: str = "disabled"
     log_path: Path | None = None
+    record_dir: Path | None = None
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
     temp_dir: str | None = None
+    ownership: Ownership | None = None
 
     @property
     def address(self) -> str:
@@ -56,13 +67,14 @@ class LocalRayHead:
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def start(self, timeout_s: float = 180.0) -> "LocalRayHead":
+    def start(self, timeout_s: float = 180.0, *, attempts: int = 2) -> "LocalRayHead":
         ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
         if ray_bin is None:
             raise RuntimeError("the `ray` command is not installed; install memfit with the [train] extra")
         # A short temp dir: Ray's unix socket paths must stay under 107 characters.
         self.temp_dir = tempfile.mkdtemp(prefix="mfray-", dir="/tmp")
-        min_worker = free_port()
+        # Recorded before anything starts: a SIGKILL from here on leaves a record to clean up after.
+        self.ownership = Ownership(label=f"ray head {self.address}", temp_dir=self.temp_dir).in_record(self.record_dir)
         cmd = [
             ray_bin, "start", "--head", "--block", "--disable-usage-stats",
             f"--port={self.gcs_port}",
@@ -79,23 +91,45 @@ class LocalRayHead:
             f"--object-manager-port={free_port()}",
             f"--temp-dir={self.temp_dir}",
         ]
-        del min_worker
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        # start_new_session: the head and everything it forks form one process group we can signal.
-        self.process = subprocess.Popen(
-            cmd, env=ray_env(self.auth_mode), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ray head exited with code {self.process.returncode} (log: {self.log_path})")
-            # The dashboard answers before the raylet has registered the node; a job submitted
-            # then waits for minutes or fails, so "up" means the Jobs API answers AND a node is alive.
-            if self._node_alive():
-                return self
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"ray head at {self.dashboard_url} had no live node within {timeout_s:.0f} s")
+        env = ray_env(self.auth_mode)
+        env[OWNER_ENV] = self.ownership.env_chain()
+        # On SIGTERM `ray start --block` first drains the node for up to 30 s (for Ray Serve) before
+        # it stops its daemons; we stop the whole head at once, so the drain only delays the stop.
+        env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+        log_path = self.log_path or Path(self.temp_dir) / "ray-start.log"
+        try:
+            log = open(log_path, "ab")
+            try:
+                # start_new_session: `ray start` leads a session (and process group) of its own, out
+                # of reach of the terminal's Ctrl-C, and that session is part of what we own.
+                self.process = subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            finally:
+                log.close()
+            self.ownership.session_pid = self.process.pid
+            self.ownership.session_started = process_started(self.process.pid)
+            self.ownership.save()
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"ray head exited with code {self.process.returncode}: {_last_line(log_path)}")
+                # The dashboard answers before the raylet has registered the node; a job submitted
+                # then waits for minutes or fails, so "up" means the Jobs API answers AND a node is alive.
+                if self._node_alive():
+                    return self
+                time.sleep(0.5)
+            raise RuntimeError(f"ray head at {self.dashboard_url} had no live node within {timeout_s:.0f} s")
+        except RuntimeError as exc:
+            self.stop()
+            # `ray start` gives the raylet a hard-coded 30 s to register with the GCS, too little on a
+            # loaded machine ("The current node timed out during startup"): try once more, from scratch.
+            if attempts > 1 and "timed out during startup" in str(exc):
+                return self.start(timeout_s, attempts=attempts - 1)
+            raise
+        except BaseException:  # an exception or a signal while waiting: stop what started
+            self.stop()
+            raise
 
     def _node_alive(self) -> bool:
         try:
@@ -106,40 +140,35 @@ class LocalRayHead:
         nodes = ((body.get("data") or {}).get("result") or {}).get("result") or []
         return any(n.get("state") == "ALIVE" for n in nodes)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the head we started and every process in its group; nothing else."""
-        if self.process is None:
-            return
-        pgid = self.process.pid
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        # Workers Ray forked into the same session may outlive the head briefly: finish them.
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        _kill_session_leftovers(pgid)
-        self.process = None
-        if self.temp_dir:
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the head we started and every process it forked, wherever Ray put it; nothing else."""
+        if self.process is not None:
+            # SIGTERM to `ray start` and its daemons: `ray start` stops raylet, GCS, dashboard and agents
+            # and the raylet its workers — but not the job drivers, which live in sessions of their own.
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(timeout=max(1.0, timeout_s / 2))
+            except subprocess.TimeoutExpired:
+                pass
+        if self.ownership is not None:
+            self.ownership.end(timeout_s=max(5.0, timeout_s / 2))  # SIGKILL whatever is left; rm temp dir
+        elif self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=5)  # reap our child
+            except subprocess.TimeoutExpired:
+                pass
+        self.process = None
+        self.ownership = None
 
 
-def _kill_session_leftovers(sid: int) -> None:
-    """Ray daemons call setsid() for some children; find processes whose session is ours or whose
-    command line names our temp dir and end them."""
+def _last_line(path: Path) -> str:
     try:
-        import psutil
-    except ImportError:  # pragma: no cover
-        return
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(proc.pid) == sid:
-                proc.kill()
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no output)"
+    return lines[-1] if lines else "(no output)"

@@ -53,9 +53,8 @@ def load_job_file(path: Path) -> tuple[dict[str, Any], dict[str, Path]]:
 
 
 def run_file(path: Path, *, console: Console | None = None, timeout_s: float = 3600.0) -> int:
-    from service.auth import create_key
-    from service.db import session_scope
-    from service.embedded import EmbeddedService, quiet_logging
+    from service.embedded import quiet_logging, run_dir
+    from service.lifetime import command_lifetime
     from service.settings import ensure_dirs, get_settings
 
     console = console or Console()
@@ -68,6 +67,18 @@ def run_file(path: Path, *, console: Console | None = None, timeout_s: float = 3
     ensure_dirs(settings)
     home = settings.storage_dir.parent
     quiet_logging(home / "logs" / "memfit-run.log")
+    # SIGTERM (`timeout`, a container stop) would end Python at once, skipping every `finally` below
+    # and leaving the Ray head and the job running: command_lifetime makes it an exception instead.
+    with command_lifetime(run_dir(settings), "memfit run"):
+        return _run_on_embedded_service(settings, home, body, files, console, timeout_s)
+
+
+def _run_on_embedded_service(settings, home: Path, body: dict[str, Any], files: dict[str, Path],
+                             console: Console, timeout_s: float) -> int:
+    from service.auth import create_key
+    from service.db import session_scope
+    from service.embedded import EmbeddedService
+
     t0 = time.monotonic()
     with console.status("Starting the embedded service (database, local Ray head, API, scheduler)…"):
         service = EmbeddedService(settings, log_dir=home / "logs").start()
@@ -96,10 +107,10 @@ def run_file(path: Path, *, console: Console | None = None, timeout_s: float = 3
             console.print(f"created {job['id']} ({job['model']})")
             try:
                 job = follow(http, service, job["id"], console, timeout_s)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM/SIGHUP as service.lifetime.Stopped
                 console.print("[yellow]interrupted: cancelling the job[/yellow]")
                 http.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")
-                return 130
+                return getattr(stop, "exit_code", 130)
             summary(http, job, console, time.monotonic() - t0)
             return 0 if job["status"] == "succeeded" else 1
     finally:
