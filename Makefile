@@ -1,6 +1,6 @@
 # The two commands of the README, each installing what it needs first.
 #   make demo   — one fine-tune end to end on the embedded service (SQLite + local Ray + API + scheduler)
-#   make test   — the whole test suite (needs Postgres on 127.0.0.1:5432; tests make their own database)
+#   make test   — the whole test suite (a Postgres on 127.0.0.1:5432 if one answers, else a throwaway one of its own)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
