@@ -41,6 +41,21 @@ def ray_env(auth_mode: str = "disabled") -> dict[str, str]:
     return env
 
 
+def auth_headers(auth_mode: str) -> dict[str, str]:
+    """The header Ray's dashboard wants in token mode (it answers 401 otherwise), with the token
+    found where Ray looks for it: RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token."""
+    if auth_mode != "token":
+        return {}
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        try:
+            token = path.read_text().strip()
+        except OSError:
+            return {}
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 @dataclass
 class LocalRayHead:
     """``ray start --head --block`` as a session leader we own. Its Ownership (a token in every Ray
@@ -132,8 +147,9 @@ class LocalRayHead:
             raise
 
     def _node_alive(self) -> bool:
+        request = urllib.request.Request(f"{self.dashboard_url}/api/v0/nodes", headers=auth_headers(self.auth_mode))
         try:
-            with urllib.request.urlopen(f"{self.dashboard_url}/api/v0/nodes", timeout=5) as r:
+            with urllib.request.urlopen(request, timeout=5) as r:
                 body = json.loads(r.read())
         except (OSError, ValueError):
             return False
