@@ -1,4 +1,4 @@
-"""API load benchmark: memfit on Postgres under 32 concurrent clients.
+"""API load from Python clients: memfit on Postgres under 32 concurrent httpx clients.
 
 Starts `uvicorn --factory api.app:create_app` in a subprocess on a throwaway Postgres database,
 then drives it with concurrent httpx clients, a bounded number of requests per kind, and prints
@@ -6,7 +6,11 @@ requests/s and p50/p99 latency for job create, get and list, and the error count
 
     .venv/bin/python bench/api_load.py [--requests 2000] [--concurrency 32] [--workers 1]
 
-Needs Postgres on 127.0.0.1:5432 (trust auth), like the tests. Drops its database at the end.
+The server's own figures come from bench/api_wrk.py (wrk, against a hand-written anchor) and
+bench/api_mixed_load.py (creates, polls, lists, ingest and SSE at once): here the clients are Python
+on the same cores, so this measures what a Python SDK user sees, client cost included, and a fixed
+number of creates at full concurrency. The database is made on the tests' Postgres
+(tests/pgserver.py: MEMFIT_TEST_PG_ADMIN, else a private server) and dropped at the end.
 """
 
 from __future__ import annotations
@@ -16,8 +20,6 @@ import asyncio
 import io
 import os
 import random
-import secrets
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,15 +27,15 @@ import time
 from pathlib import Path
 
 import httpx
-import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.api_harness import postgres_admin  # noqa: E402
 from service import auth, db  # noqa: E402
 from service.raycluster import free_port  # noqa: E402
+from tests import pgserver  # noqa: E402
 
-ADMIN = os.environ.get("MEMFIT_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 DATA = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n' * 20
 
 
@@ -109,10 +111,11 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     args = ap.parse_args()
 
-    name = f"memfit_bench_{secrets.token_hex(4)}"
-    with psycopg.connect(ADMIN, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    with postgres_admin() as admin, pgserver.database(admin) as url:
+        return _bench(url, args)
+
+
+def _bench(url: str, args) -> int:
     server = None
     try:
         db.upgrade(url)
@@ -153,9 +156,6 @@ def main() -> int:
                 server.wait(10)
             except subprocess.TimeoutExpired:
                 server.kill()
-        with psycopg.connect(ADMIN, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
 
 
 if __name__ == "__main__":

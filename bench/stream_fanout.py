@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import secrets
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -30,25 +31,19 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PG_ADMIN = os.environ.get("MEMFIT_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
-
-def make_database(kind: str, tmp: Path) -> tuple[str, callable]:
+@contextlib.contextmanager
+def database(kind: str, tmp: Path) -> Iterator[str]:
+    """A throwaway database: on the tests' Postgres (tests/pgserver.py: MEMFIT_TEST_PG_ADMIN, else a
+    private server), dropped afterwards; or a SQLite file in ``tmp``."""
     if kind == "postgres":
-        import psycopg
+        from bench.api_harness import postgres_admin
+        from tests import pgserver
 
-        name = f"memfit_bench_{secrets.token_hex(4)}"
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')
-
-        def drop():
-            with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
-                              "AND pid <> pg_backend_pid()", (name,))
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
-
-        return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}", drop
-    return f"sqlite:///{tmp / 'bench.db'}", lambda: None
+        with postgres_admin() as admin, pgserver.database(admin) as url:
+            yield url
+        return
+    yield f"sqlite:///{tmp / 'bench.db'}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -120,90 +115,89 @@ def main() -> None:
     from tests.scheduler_support import create_job, new_key, upload
 
     tmp = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
-    url, drop = make_database(args.db, tmp)
-    proc = None
-    try:
-        db.upgrade(url)
-        settings = Settings(database_url=url, storage_dir=tmp / "storage")
-        setup_app = create_app(settings)
-        with TestClient(setup_app) as c:
-            key = new_key(setup_app.state.sessions)
-            job_id = create_job(c, key, upload(c, key))["id"]
-        sched = Scheduler(setup_app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))
-        sched.validate_pending()
-        token = {j: t for j, _, t in sched.claim(limit=10)}[job_id]
+    with database(args.db, tmp) as url:
+        proc = None
+        try:
+            db.upgrade(url)
+            settings = Settings(database_url=url, storage_dir=tmp / "storage")
+            setup_app = create_app(settings)
+            with TestClient(setup_app) as c:
+                key = new_key(setup_app.state.sessions)
+                job_id = create_job(c, key, upload(c, key))["id"]
+            sched = Scheduler(setup_app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))
+            sched.validate_pending()
+            token = {j: t for j, _, t in sched.claim(limit=10)}[job_id]
 
-        port = free_port()
-        env = {**os.environ, "MEMFIT_DATABASE_URL": url, "MEMFIT_STORAGE_DIR": str(tmp / "storage"),
-               "MEMFIT_SCHEDULER_ENABLED": "false", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app", "--port", str(port),
-                                 "--log-level", "warning"], env=env, cwd=ROOT)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=2).status_code < 500:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("the API did not start")
-            time.sleep(0.2)
-        api = psutil.Process(proc.pid)
-
-        async def run():
-            outs = [[] for _ in range(args.clients)]
-            started: list = []
-            ready = asyncio.Event()
-            tasks = [asyncio.create_task(client(base, key, job_id, outs[i], ready, started)) for i in range(args.clients)]
-            while len(started) < args.clients:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)  # every stream has caught up with the backlog
-            me = psutil.Process()
-            cpu0, mine0, t0 = sum(api.cpu_times()[:2]), sum(me.cpu_times()[:2]), time.monotonic()
-            acked: dict[int, float] = {}
-            await produce(base, job_id, token, args.events, args.rate, acked)
-            await asyncio.wait_for(asyncio.gather(*tasks), 120)
-            cpu1, mine1, t1 = sum(api.cpu_times()[:2]), sum(me.cpu_times()[:2]), time.monotonic()
-            return outs, cpu1 - cpu0, mine1 - mine0, t1 - t0, acked
-
-        load0 = os.getloadavg()[0]
-        outs, cpu_s, bench_cpu_s, wall_s, acked = asyncio.run(run())
-        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}) as http:
-            expected, after = [], None
+            port = free_port()
+            env = {**os.environ, "MEMFIT_DATABASE_URL": url, "MEMFIT_STORAGE_DIR": str(tmp / "storage"),
+                   "MEMFIT_SCHEDULER_ENABLED": "false", "PYTHONPATH": str(ROOT)}
+            proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app", "--port", str(port),
+                                     "--log-level", "warning"], env=env, cwd=ROOT)
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
             while True:
-                page = http.get(f"/v1/fine_tuning/jobs/{job_id}/events",
-                                params={"limit": 100, **({"after": after} if after else {})}).json()
-                expected += [int(e["id"].removeprefix("ftevent-")) for e in page["data"]]
-                if not page["has_more"]:
-                    break
-                after = page["data"][-1]["id"]
-        expected.sort()
-        complete = sum(1 for o in outs if [i for i, *_ in o] == expected)
-        delays = [(recv - sent) * 1000 for o in outs for _, recv, sent, kind, _ in o if kind == "metrics" and sent]
-        after_commit = [(recv - acked[step]) * 1000 for o in outs for _, recv, _, kind, step in o
-                        if kind == "metrics" and step in acked]
-        print(f"clients: {args.clients}   metrics events ingested: {args.events} at {args.rate:g}/s   db: {args.db}")
-        print(f"every event, once, in order: {complete}/{args.clients} clients "
-              f"({len(expected)} events each, {sum(len(o) for o in outs)} deliveries)")
-        print(f"delivery delay (ms): p50 {percentile(delays, 0.5):.0f}   p99 {percentile(delays, 0.99):.0f}   "
-              f"max {max(delays):.0f}   mean {statistics.mean(delays):.0f}   (target p99 < 500)")
-        print(f"  from the ingest POST's answer (commit) to the client (ms): p50 {percentile(after_commit, 0.5):.0f}   "
-              f"p99 {percentile(after_commit, 0.99):.0f}   (negative: the stream beat the POST's response)")
-        print(f"API process CPU: {cpu_s:.2f} s over {wall_s:.1f} s wall = {100 * cpu_s / wall_s:.0f}% of one core "
-              f"({os.cpu_count()} cores on this machine); the 50 clients + producer used {bench_cpu_s:.2f} s")
-        print(f"machine load average (1 min): {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end "
-              f"(other processes share these cores; delays grow with load)")
-        if complete != args.clients:
-            raise SystemExit("some clients missed or duplicated events")
-    finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        drop()
+                try:
+                    if httpx.get(f"{base}/healthz", timeout=2).status_code < 500:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit("the API did not start")
+                time.sleep(0.2)
+            api = psutil.Process(proc.pid)
+
+            async def run():
+                outs = [[] for _ in range(args.clients)]
+                started: list = []
+                ready = asyncio.Event()
+                tasks = [asyncio.create_task(client(base, key, job_id, outs[i], ready, started)) for i in range(args.clients)]
+                while len(started) < args.clients:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)  # every stream has caught up with the backlog
+                me = psutil.Process()
+                cpu0, mine0, t0 = sum(api.cpu_times()[:2]), sum(me.cpu_times()[:2]), time.monotonic()
+                acked: dict[int, float] = {}
+                await produce(base, job_id, token, args.events, args.rate, acked)
+                await asyncio.wait_for(asyncio.gather(*tasks), 120)
+                cpu1, mine1, t1 = sum(api.cpu_times()[:2]), sum(me.cpu_times()[:2]), time.monotonic()
+                return outs, cpu1 - cpu0, mine1 - mine0, t1 - t0, acked
+
+            load0 = os.getloadavg()[0]
+            outs, cpu_s, bench_cpu_s, wall_s, acked = asyncio.run(run())
+            with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}) as http:
+                expected, after = [], None
+                while True:
+                    page = http.get(f"/v1/fine_tuning/jobs/{job_id}/events",
+                                    params={"limit": 100, **({"after": after} if after else {})}).json()
+                    expected += [int(e["id"].removeprefix("ftevent-")) for e in page["data"]]
+                    if not page["has_more"]:
+                        break
+                    after = page["data"][-1]["id"]
+            expected.sort()
+            complete = sum(1 for o in outs if [i for i, *_ in o] == expected)
+            delays = [(recv - sent) * 1000 for o in outs for _, recv, sent, kind, _ in o if kind == "metrics" and sent]
+            after_commit = [(recv - acked[step]) * 1000 for o in outs for _, recv, _, kind, step in o
+                            if kind == "metrics" and step in acked]
+            print(f"clients: {args.clients}   metrics events ingested: {args.events} at {args.rate:g}/s   db: {args.db}")
+            print(f"every event, once, in order: {complete}/{args.clients} clients "
+                  f"({len(expected)} events each, {sum(len(o) for o in outs)} deliveries)")
+            print(f"delivery delay (ms): p50 {percentile(delays, 0.5):.0f}   p99 {percentile(delays, 0.99):.0f}   "
+                  f"max {max(delays):.0f}   mean {statistics.mean(delays):.0f}   (target p99 < 500)")
+            print(f"  from the ingest POST's answer (commit) to the client (ms): p50 {percentile(after_commit, 0.5):.0f}   "
+                  f"p99 {percentile(after_commit, 0.99):.0f}   (negative: the stream beat the POST's response)")
+            print(f"API process CPU: {cpu_s:.2f} s over {wall_s:.1f} s wall = {100 * cpu_s / wall_s:.0f}% of one core "
+                  f"({os.cpu_count()} cores on this machine); the 50 clients + producer used {bench_cpu_s:.2f} s")
+            print(f"machine load average (1 min): {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end "
+                  f"(other processes share these cores; delays grow with load)")
+            if complete != args.clients:
+                raise SystemExit("some clients missed or duplicated events")
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 if __name__ == "__main__":

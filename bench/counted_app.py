@@ -1,0 +1,71 @@
+"""memfit's app with its database work counted per request, for bench/api_wrk.py's query count.
+
+    uvicorn --factory bench.counted_app:create_app      (memfit's MEMFIT_* settings)
+
+The real ``api.app.create_app`` with SQLAlchemy event listeners on its engine: every statement
+sent (``before_cursor_execute``) and every connection taken from the pool (``checkout``) is
+recorded against the request that caused it, and an outermost ASGI middleware answers them in
+headers: ``X-Bench-Statements`` (count), ``X-Bench-Checkouts`` (count), ``X-Bench-SQL`` (each
+statement's first 60 characters, ``|``-separated). Listeners cost time, so this app is for counting
+only; the timed rounds run the plain factory.
+
+The request is found through a context variable holding a list: anyio copies the context into the
+thread-pool threads that sync routes and dependencies run in, and the copy refers to the same list.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+from sqlalchemy import event
+
+from api.app import create_app as create_memfit_app
+
+_current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("bench_request_db", default=None)
+
+
+class CountPerRequest:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        record: dict = {"sql": [], "checkouts": 0}
+        token = _current.set(record)
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                sql = [" ".join(s.split())[:60].replace("|", "/") for s in record["sql"]]
+                message = {**message, "headers": [
+                    *message.get("headers", []),
+                    (b"x-bench-statements", str(len(record["sql"])).encode()),
+                    (b"x-bench-checkouts", str(record["checkouts"]).encode()),
+                    (b"x-bench-sql", " | ".join(sql).encode("ascii", "replace")),
+                ]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            _current.reset(token)
+
+
+def create_app():
+    app = create_memfit_app()
+    engine = app.state.engine
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _statement(conn, cursor, statement, parameters, context, executemany):
+        record = _current.get()
+        if record is not None:
+            record["sql"].append(statement)
+
+    @event.listens_for(engine.pool, "checkout")
+    def _checkout(dbapi_conn, connection_record, connection_proxy):
+        record = _current.get()
+        if record is not None:
+            record["checkouts"] += 1
+
+    app.add_middleware(CountPerRequest)  # added last: the outermost layer
+    return app
