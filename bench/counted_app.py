@@ -3,11 +3,13 @@
     uvicorn --factory bench.counted_app:create_app      (memfit's MEMFIT_* settings)
 
 The real ``api.app.create_app`` with SQLAlchemy event listeners on its engine: every statement
-sent (``before_cursor_execute``) and every connection taken from the pool (``checkout``) is
-recorded against the request that caused it, and an outermost ASGI middleware answers them in
-headers: ``X-Bench-Statements`` (count), ``X-Bench-Checkouts`` (count), ``X-Bench-SQL`` (each
-statement's first 60 characters, ``|``-separated). Listeners cost time, so this app is for counting
-only; the timed rounds run the plain factory.
+sent (``before_cursor_execute``), every connection taken from the pool (``checkout``) and every
+new database connection opened (``connect``) is recorded against the request that caused it, and
+an outermost ASGI middleware answers them in headers: ``X-Bench-Statements``,
+``X-Bench-Checkouts``, ``X-Bench-Connects`` (counts) and ``X-Bench-SQL`` (each statement's first 60
+characters, ``|``-separated). ``GET /_bench/counts`` answers the totals since the last such call
+(requests, statements, checkouts, connects), for a count under load. Listeners cost time, so this
+app is for counting only; the timed rounds run the plain factory.
 
 The request is found through a context variable holding a list: anyio copies the context into the
 thread-pool threads that sync routes and dependencies run in, and the copy refers to the same list.
@@ -16,12 +18,14 @@ thread-pool threads that sync routes and dependencies run in, and the copy refer
 from __future__ import annotations
 
 import contextvars
+import json
 
 from sqlalchemy import event
 
 from api.app import create_app as create_memfit_app
 
 _current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("bench_request_db", default=None)
+totals = {"requests": 0, "statements": 0, "checkouts": 0, "connects": 0}
 
 
 class CountPerRequest:
@@ -31,7 +35,9 @@ class CountPerRequest:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        record: dict = {"sql": [], "checkouts": 0}
+        if scope["path"] == "/_bench/counts":
+            return await self._answer_totals(send)
+        record: dict = {"sql": [], "checkouts": 0, "connects": 0}
         token = _current.set(record)
 
         async def send_wrapper(message):
@@ -41,6 +47,7 @@ class CountPerRequest:
                     *message.get("headers", []),
                     (b"x-bench-statements", str(len(record["sql"])).encode()),
                     (b"x-bench-checkouts", str(record["checkouts"]).encode()),
+                    (b"x-bench-connects", str(record["connects"]).encode()),
                     (b"x-bench-sql", " | ".join(sql).encode("ascii", "replace")),
                 ]}
             await send(message)
@@ -49,10 +56,21 @@ class CountPerRequest:
             await self.app(scope, receive, send_wrapper)
         finally:
             _current.reset(token)
+            totals["requests"] += 1
+            totals["statements"] += len(record["sql"])
+            totals["checkouts"] += record["checkouts"]
+            totals["connects"] += record["connects"]
+
+    async def _answer_totals(self, send):
+        body = json.dumps(totals).encode()
+        totals.update(dict.fromkeys(totals, 0))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
-def create_app():
-    app = create_memfit_app()
+def create_app(settings=None):
+    app = create_memfit_app(settings)
     engine = app.state.engine
 
     @event.listens_for(engine, "before_cursor_execute")
@@ -66,6 +84,12 @@ def create_app():
         record = _current.get()
         if record is not None:
             record["checkouts"] += 1
+
+    @event.listens_for(engine.pool, "connect")
+    def _connect(dbapi_conn, connection_record):
+        record = _current.get()
+        if record is not None:
+            record["connects"] += 1
 
     app.add_middleware(CountPerRequest)  # added last: the outermost layer
     return app

@@ -82,6 +82,26 @@ def test_anchor_refuses_what_memfit_refuses(memfit, anchor):
     assert anchor.get(path, headers=bearer(key)).status_code == client.get(path, headers=bearer(key)).status_code == 401
 
 
+def test_counted_app_reports_each_requests_statements_and_the_totals(pg_migrated, tmp_path):
+    from bench import counted_app
+
+    app = counted_app.create_app(settings_for(pg_migrated, tmp_path / "storage"))
+    with TestClient(app) as client:
+        key = new_key(app.state.sessions)
+        job_id = create_job(client, key, upload(client, key))["id"]
+        client.get("/_bench/counts")  # the totals restart here
+        r = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=bearer(key))
+        health = client.get("/healthz")
+        totals = client.get("/_bench/counts").json()
+    app.state.engine.dispose()
+    assert r.status_code == 200
+    statements = int(r.headers["x-bench-statements"])
+    assert statements >= 1 and "SELECT jobs." in r.headers["x-bench-sql"]
+    assert int(r.headers["x-bench-checkouts"]) >= 1
+    assert health.headers["x-bench-statements"] == "0"
+    assert totals["requests"] == 2 and totals["statements"] == statements
+
+
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (apt-get install -y wrk)")
 def test_wrk_summary_counts_every_status_of_a_real_server(pg_migrated, tmp_path):
     server = h.Server.start("anchor", "bench.anchor_app:create_app", {"ANCHOR_DATABASE_URL": pg_migrated}, tmp_path)
