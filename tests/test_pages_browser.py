@@ -280,6 +280,10 @@ def test_pages_leak_nothing_across_tenants(stack, real_job):
         assert r.status_code == 401 and "set-cookie" not in r.headers
     # The owner can download, but never outside the job's output directory.
     with httpx.Client(base_url=stack.server.url, timeout=30, headers=stack.auth) as c:
-        assert c.get(f"/v1/fine_tuning/jobs/{job_id}/artifacts/results.json").status_code == 200
+        listing = c.get(f"/v1/fine_tuning/jobs/{job_id}/artifacts").json()["data"]
+        assert listing and c.get(f"/v1/fine_tuning/jobs/{job_id}/artifacts/{listing[0]['path']}").status_code == 200
+        # results.json is the job's result file: it is read through /v1/files, not as an artifact.
+        assert c.get(f"/v1/fine_tuning/jobs/{job_id}/artifacts/results.json").status_code == 404
+        assert c.get(f"/v1/files/{real_job['result_files'][0]}/content").status_code == 200
         for bad in ("../../etc/passwd", "..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd", "checkpoints/../../x"):
             assert c.get(f"/v1/fine_tuning/jobs/{job_id}/artifacts/{bad}").status_code == 404, bad

@@ -58,7 +58,7 @@ def tmpdir_for_session():
 
 
 def session_env(tmpdir: Path, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("MEMFIT_TEST_PG_ADMIN", "PYTEST_ADDOPTS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("MEMFIT_TEST_PG_ADMIN", "MEMFIT_REQUIRE_POSTGRES", "PYTEST_ADDOPTS")}
     env.update(PYTHONPATH=str(REPO), TMPDIR=str(tmpdir), PYTHONDONTWRITEBYTECODE="1", **extra)
     return env
 

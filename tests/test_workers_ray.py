@@ -78,10 +78,14 @@ def test_ddp_resumes_after_a_worker_dies_and_a_second_driver_resumes(ray_session
                    validation="chat-validation.jsonl")
     fit(req, fail_at="5:1")  # rank 1 exits after optimizer step 5, before reporting it
     records = _records(req)
-    kinds_steps = [(r["kind"], r.get("step")) for r in records if r["kind"] in ("metrics", "event") and r.get("rank", 0) == 0]
-    failed_at = kinds_steps.index(("event", None))
-    before = [s for _, s in kinds_steps[:failed_at]]
-    after = [s for _, s in kinds_steps[failed_at + 1 :]]
+    ordered = [r for r in records if (r["kind"] == "metrics" and r.get("rank", 0) == 0)
+               or (r["kind"] == "event" and "worker group failed" in r["message"])]
+    failed_at = next(i for i, r in enumerate(ordered) if r["kind"] == "event")
+    before = [r["step"] for r in ordered[:failed_at]]
+    after = [r["step"] for r in ordered[failed_at + 1:]]
+    # The restarted group says where it picked up (its events go out with its first report).
+    resumed = [i for i, r in enumerate(records) if r["kind"] == "event" and r["message"] == "Resumed from the checkpoint of step 3"]
+    assert len(resumed) == 1 and resumed[0] > records.index(ordered[failed_at])
     # Steps 1–3 (or 4, if the controller collected that report before it saw the failure) ran
     # first; the restarted group continued from the checkpoint taken after step 3.
     assert before in ([1, 2, 3], [1, 2, 3, 4])
