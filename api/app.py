@@ -8,18 +8,18 @@ from fastapi import FastAPI
 
 from api import errors, metrics
 from api.routes import files, health, ingest, jobs, memory, pages, stream
-from service import db
-from service.errors import PayloadTooLarge
+from service.domain.errors import PayloadTooLarge
 from service.settings import Settings, ensure_dirs, get_settings
+from service.store import db
 
 # Other features add their router here, one line each.
 ROUTERS = [health.router, files.router, stream.router, jobs.router, ingest.router, pages.router, memory.router]  # stream before jobs: it claims …/events?stream=true
 
 
 def _known_gpus() -> set[str] | None:
-    """GPU names the spec may name in training.resources.gpu_type (service.gpus' catalogue)."""
+    """GPU names the spec may name in training.resources.gpu_type (service.memory.gpus' catalogue)."""
     try:
-        from service.gpus import known_gpus
+        from service.memory.gpus import known_gpus
     except ImportError:
         return None
     return set(known_gpus())
@@ -100,7 +100,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 def _document_job_spec(app: FastAPI) -> None:
     """The create route reads the body itself (to report every spec problem at once), so FastAPI
     cannot see its schema: put JobSpec's JSON schema into the OpenAPI document by hand."""
-    from service.spec import JobSpec
+    from service.domain.spec import JobSpec
 
     build = app.openapi
 

@@ -13,8 +13,8 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPBearer
 from sqlalchemy.orm import Session
 
-from service.auth import Principal, authenticate
 from service.settings import Settings
+from service.store.auth import Principal, authenticate
 
 _bearer = HTTPBearer(auto_error=False, description="An API key from `memfit keys create --tenant NAME`.")
 

@@ -10,7 +10,7 @@ that is not valid JSONL); 401 missing/invalid/revoked key; 404 unknown or anothe
 422 a well-formed request whose values are wrong (spec fields, unknown fields, cross-field rules,
 model, purpose, limit, cursor, Idempotency-Key reused with another body; a job predicted not to fit
 its memory under memory_policy=reject: ``insufficient_memory`` with ``breakdown``, ``suggestions`` and
-``plan`` members, from service.memory.DoesNotFit).
+``plan`` members, from service.memory.preflight.DoesNotFit).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import DomainError
+from service.domain.errors import DomainError
 
 log = logging.getLogger("memfit.api")
 PROBLEM_BASE = "https://memfit.dev/problems/"
@@ -73,7 +73,7 @@ async def _domain(request: Request, exc: DomainError) -> JSONResponse:
     return problem_response(
         request, status=exc.status, code=exc.code, title=exc.title, detail=exc.message, param=exc.param,
         errors=exc.errors, openai_type=exc.openai_type, headers=exc.headers, retryable=exc.retryable,
-        extensions=getattr(exc, "extensions", None),  # service.memory.DoesNotFit (422 insufficient_memory)
+        extensions=getattr(exc, "extensions", None),  # service.memory.preflight.DoesNotFit (422 insufficient_memory)
     )
 
 

@@ -9,7 +9,7 @@ Each app has its own CollectorRegistry (several apps live in one test process) h
   ``memfit_queue_oldest_age_seconds``, and ``memfit_job_peak_memory_bytes{job_id, rank}`` for
   running jobs (the highest peak measured on each rank of the current attempt).
 
-Next to it the process-wide counters of service/metrics.py: ``memfit_scheduler_claims_total``,
+Next to it the process-wide counters of service/jobs/metrics.py: ``memfit_scheduler_claims_total``,
 ``memfit_scheduler_failures_total{code}``, ``memfit_ingest_records_total{kind}``.
 
 /metrics is for the operator's Prometheus, like /health: it carries no tenant data beyond job ids and
@@ -23,12 +23,17 @@ from datetime import datetime, timezone
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 
-from service import metrics as service_metrics
-from service.models import Job, MemorySample
+from service.jobs import metrics as service_metrics
+from service.store.models import Job, MemorySample
 
 router = APIRouter(tags=["ops"])
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -47,7 +52,7 @@ class StoreCollector:
         peak = GaugeMetricFamily("memfit_job_peak_memory_bytes",
                                  "Highest measured memory peak per rank of each running job (current attempt).",
                                  labels=["job_id", "rank"])
-        from service.states import JobStatus
+        from service.domain.states import JobStatus
 
         with self.read_sessions() as s:
             counts = dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())

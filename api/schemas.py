@@ -13,8 +13,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-from service.models import Checkpoint, File, Job, JobEvent
-from service.spec import JobSpec
+from service.domain.spec import JobSpec
+from service.store.models import Checkpoint, File, Job, JobEvent
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@
 A browser's EventSource cannot send an ``Authorization`` header, so these routes take the API key
 from the header when there is one and otherwise from the ``memfit_key`` cookie the login form sets
 (HttpOnly, SameSite=Strict, so page scripts cannot read it and other sites cannot send it). The key
-is checked exactly as the JSON API checks it (service.auth.authenticate), so a page shows only the
+is checked exactly as the JSON API checks it (service.store.auth.authenticate), so a page shows only the
 tenant's own objects and another tenant's id is a 404 like everywhere else.
 """
 
@@ -14,7 +14,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.deps import ReadSessionDep
-from service.auth import Principal, authenticate
+from service.store.auth import Principal, authenticate
 
 COOKIE = "memfit_key"
 

@@ -344,9 +344,10 @@ def spread(values: list[float], fmt: str = "{:.0f}") -> str:
 def _service():
     """The service functions the seeding needs that HTTP does not offer: issuing a key, and the
     scheduler's validation and claim (running jobs with their ingest tokens; Ray is never reached)."""
-    from service import auth, db
-    from service.scheduler import RayJobs, Scheduler
+    from service.scheduler.loop import Scheduler
+    from service.scheduler.ray_jobs import RayJobs
     from service.settings import Settings
+    from service.store import auth, db
 
     return auth, db, RayJobs, Scheduler, Settings
 
@@ -370,7 +371,7 @@ def seed(base_url: str, db_url: str, storage: Path, *, jobs: int = 120, other_te
     succeeded (``steps`` metrics events, a memory sample per step on 2 ranks, a checkpoint every 20
     steps, then the result), ~1 in 6 failed with an out-of-memory error, the rest still running with
     half their metrics —, then 40% queued (a quarter of them cancelled), and the newest 10% still
-    validating. All through the API, save the key (service.auth) and the scheduler's validation and
+    validating. All through the API, save the key (service.store.auth) and the scheduler's validation and
     claim, which hand out the ingest tokens."""
     auth, db, RayJobs, Scheduler, Settings = _service()
     settings = Settings(database_url=db_url, storage_dir=storage)

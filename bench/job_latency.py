@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from service.raycluster import LocalRayHead  # noqa: E402
+from service.scheduler.local_head import LocalRayHead  # noqa: E402
 
 DATA = ROOT / "examples" / "data"
 
@@ -68,7 +68,7 @@ def run_memfit(http: httpx.Client, train_id: str, steps: int) -> tuple[float, fl
 def _exact_finish(http: httpx.Client, job_id: str) -> float | None:
     from sqlalchemy import select
 
-    from service.models import Job
+    from service.store.models import Job
 
     sessions = http.app_sessions  # type: ignore[attr-defined]
     with sessions() as s:
@@ -108,10 +108,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
 
-    from service.auth import create_key
-    from service.db import session_scope
-    from service.embedded import EmbeddedService, quiet_logging
+    from service.cli.embedded import EmbeddedService, quiet_logging
     from service.settings import Settings
+    from service.store.auth import create_key
+    from service.store.db import session_scope
 
     work = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
     quiet_logging(work / "bench.log")
@@ -131,7 +131,7 @@ def main() -> None:
 
         print("warm-up run (not measured) …", flush=True)
         _, _, warm_id = run_memfit(http, train_id, args.steps)
-        from service.scheduler import request_path
+        from service.scheduler.paths import request_path
 
         request = json.loads(request_path(settings, warm_id, 1).read_text())
         run_direct(service.scheduler.ray, request, work, 0)

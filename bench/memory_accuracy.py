@@ -11,7 +11,7 @@ shard_fsdp2, deepspeed_config; workers/steps.py: accumulate_gradients, clip_and_
 2-rank cases as 2 gloo processes under torch.multiprocessing. workers/telemetry.py measures each
 rank on step 3, the first steady-state step (optimizer states exist from step 2 on; FSDP2 cases run
 5 steps and keep the highest of steps 3-5, since their peak varies from step to step), from the
-profiler's memory events (exact live-tensor peak). The planner (service/planner.py) predicts the same quantity from the spec and the config
+profiler's memory events (exact live-tensor peak). The planner (service/memory/planner.py) predicts the same quantity from the spec and the config
 alone. DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs_all_cold`` and accelerate's
 ``calculate_maximum_sizes`` (×4 for Adam training, as ``accelerate estimate-memory`` does) are
 printed beside it for the same configs.
@@ -143,8 +143,8 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(case.world), LOCAL_WORLD_SIZE=str(case.world))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // case.world))
-    from workers import strategies as S
     from workers import steps as W
+    from workers import strategies as S
 
     args = _train_args(case, out["dir"])
     device = torch.device("cpu")
@@ -264,9 +264,9 @@ def measure(case: Case, model_dir: str, timeout_s: float = 600) -> dict:
 
 
 def predict(case: Case) -> dict:
-    from service.modelshape import shape_for_model
-    from service.planner import plan
-    from service.spec import JobSpec
+    from service.domain.spec import JobSpec
+    from service.memory.planner import plan
+    from service.memory.shape import shape_for_model
 
     spec = JobSpec.model_validate(case.spec_body())
     p = plan(spec, shape_for_model(spec.model), None)
@@ -311,7 +311,7 @@ def baselines(case: Case) -> dict[str, float]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from service.presets import preset_config
+    from service.domain.presets import preset_config
 
     cfg = {k: v for k, v in preset_config(f"preset:{case.family}").items() if k != "architectures"}
     with torch.device("meta"):
@@ -321,7 +321,9 @@ def baselines(case: Case) -> dict[str, float]:
     out: dict[str, float] = {}
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import (
+            estimate_zero2_model_states_mem_needs,
+        )
 
         n = case.world
         if case.strategy in ("zero3", "zero3_offload"):

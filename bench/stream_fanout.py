@@ -108,10 +108,11 @@ def main() -> None:
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from service import db
-    from service.raycluster import free_port
-    from service.scheduler import RayJobs, Scheduler
+    from service.scheduler.local_head import free_port
+    from service.scheduler.loop import Scheduler
+    from service.scheduler.ray_jobs import RayJobs
     from service.settings import Settings
+    from service.store import db
     from tests.scheduler_support import create_job, new_key, upload
 
     tmp = Path(tempfile.mkdtemp(prefix="memfit-bench-"))

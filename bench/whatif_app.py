@@ -6,7 +6,7 @@ The real ``api.app.create_app``, then, for each name in ``BENCH_WHATIF`` (comma-
 
 - ``cached_auth``: the Principal dependency answered from a per-process cache keyed by the key's
   sha256, each entry trusted for 1 s (so a revocation is honoured within a second), as an async
-  dependency: a hit costs no query and no thread-pool hop; a miss runs service.auth.authenticate
+  dependency: a hit costs no query and no thread-pool hop; a miss runs service.store.auth.authenticate
   in a worker thread. (FastAPI's ``dependency_overrides``: api/ is not touched.)
 - ``pool40``: the sessions bound to an engine whose pool keeps 40 connections instead of 20 (as
   many as anyio's thread pool runs at once), so 32 concurrent requests do not open and close
@@ -30,8 +30,8 @@ from api.app import BodyLimit
 from api.app import create_app as create_memfit_app
 from api.metrics import LatencyMiddleware
 from api.routes.stream import PokeOnWrite
-from service import db
-from service.auth import Principal, authenticate, hash_key
+from service.store import db
+from service.store.auth import Principal, authenticate, hash_key
 
 KNOWN = {"cached_auth", "pool40", "no_middleware"}
 TRUST_S = 1.0

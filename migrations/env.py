@@ -1,13 +1,12 @@
-"""Alembic environment. The URL comes from service.db.upgrade() (config.attributes["url"]),
+"""Alembic environment. The URL comes from service.store.db.upgrade() (config.attributes["url"]),
 else `-x url=…`, else MEMFIT_DATABASE_URL through the service settings."""
 
 from __future__ import annotations
 
 from alembic import context
 
-
-from service.db import make_engine, normalize_url
-from service.models import Base
+from service.store.db import make_engine, normalize_url
+from service.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -2,7 +2,7 @@
 
 :func:`get_settings` is how every command reads them: a value memfit cannot use raises
 :class:`SettingsInvalid`, one line per variable naming it, the value given and what it expects
-(``service/cli.py: main`` prints those lines and exits 2).
+(``service/cli/main.py: main`` prints those lines and exits 2).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def artifacts_dir() -> Path:
 def ray_head(tmp_path_factory):
     """One local Ray head for the whole session (GCS address + Jobs API on free ports)."""
     pytest.importorskip("ray", reason="the [train] extra is not installed")
-    from service.raycluster import LocalRayHead
+    from service.scheduler.local_head import LocalRayHead
 
     log = tmp_path_factory.mktemp("ray") / "head.log"
     head = LocalRayHead(num_cpus=8, log_path=log).start()
@@ -117,7 +117,7 @@ TEST_MAX_UPLOAD_BYTES = 64 * 1024
 
 @pytest.fixture(scope="session")
 def pg_migrated(pg_url):
-    from service import db
+    from service.store import db
 
     db.upgrade(pg_url)
     return pg_url
@@ -169,8 +169,8 @@ class TenantCtx:
 
 @pytest.fixture
 def make_tenant(api_app):
-    from service import auth
-    from service.db import session_scope
+    from service.store import auth
+    from service.store.db import session_scope
 
     def make(name: str | None = None) -> TenantCtx:
         with session_scope(api_app.state.sessions) as session:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
-import psycopg
 import psutil
+import psycopg
 from sqlalchemy.engine import make_url
 
 DEFAULT_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -14,10 +14,10 @@ from typing import Any
 
 import httpx
 
-from service import auth, db
-from service.db import session_scope
-from service.raycluster import free_port
+from service.scheduler.local_head import free_port
 from service.settings import Settings
+from service.store import auth, db
+from service.store.db import session_scope
 from tests import pgserver
 
 ROWS = [
@@ -112,7 +112,8 @@ def app_without_ray(pg_url: str, storage: Path):
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from service.scheduler import RayJobs, Scheduler
+    from service.scheduler.loop import Scheduler
+    from service.scheduler.ray_jobs import RayJobs
 
     @contextmanager
     def _cm():

@@ -8,7 +8,7 @@ def test_healthz(client):
 
 
 def test_readyz_checks_database(client):
-    from service.db import head_revision
+    from service.store.db import head_revision
 
     r = client.get("/readyz")
     assert r.status_code == 200
@@ -21,7 +21,7 @@ def test_readyz_503_when_database_is_unreachable(api_settings, tmp_path):
     from api.app import create_app
 
     app = create_app(api_settings)
-    app.state.engine = __import__("service.db", fromlist=["make_engine"]).make_engine(
+    app.state.engine = __import__("service.store.db", fromlist=["make_engine"]).make_engine(
         "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1")
     r = TestClient(app).get("/readyz")
     assert r.status_code == 503 and r.json()["status"] == "unavailable"

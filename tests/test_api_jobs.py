@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from service.db import session_scope
-from service.models import IdempotencyKey, utcnow
-from service.states import JobStatus, transition
+from service.domain.states import JobStatus, transition
+from service.store.db import session_scope
+from service.store.models import IdempotencyKey, utcnow
 
 PROBLEM = "application/problem+json"
 
@@ -109,7 +109,7 @@ def test_training_file_must_exist_for_this_tenant(create_job, upload_file, tenan
 
 
 def test_auth_missing_malformed_unknown_revoked(client, tenant, api_app):
-    from service import auth
+    from service.store import auth
 
     assert_problem(client.get("/v1/fine_tuning/jobs"), 401, "invalid_api_key", None)
     assert_problem(client.get("/v1/fine_tuning/jobs", headers={"Authorization": "Basic abc"}), 401, "invalid_api_key", None)
@@ -157,7 +157,7 @@ def test_idempotent_replay_and_conflicting_reuse(client, create_job, tenant, mak
 
 
 def test_idempotency_key_in_flight_is_409(client, create_job, tenant, upload_file, api_app):
-    from service.jobs import request_hash
+    from service.jobs.crud import request_hash
 
     file_id = upload_file(tenant).json()["id"]
     body = {"training_file": file_id, "model": "preset:tiny-llama"}
@@ -222,7 +222,7 @@ def test_list_limit_bounds_and_metadata_filter(client, create_job, tenant, uploa
 
 
 def test_events_paginate_newest_first(client, create_job, tenant, api_app):
-    from service import jobs
+    from service.jobs import crud as jobs
 
     job = create_job(tenant).json()
     job_id, file_id = job["id"], job["training_file"]
@@ -244,7 +244,7 @@ def test_events_paginate_newest_first(client, create_job, tenant, api_app):
 
 
 def test_checkpoints_listed_by_step(client, create_job, tenant, api_app):
-    from service import jobs
+    from service.jobs import crud as jobs
 
     job_id = create_job(tenant).json()["id"]
     with session_scope(api_app.state.sessions) as s:

@@ -1,11 +1,11 @@
 """The artifacts routes serve a job's model artefacts and nothing else, and the ingest token is never
 where a tenant can read it.
 
-`/v1/fine_tuning/jobs/{id}/artifacts[/{path}]` list and serve, by service.artifacts' allowlist, the
+`/v1/fine_tuning/jobs/{id}/artifacts[/{path}]` list and serve, by service.jobs.artifacts' allowlist, the
 adapter, merged and model folders and each checkpoint's metrics (meta.json); everything else of the
 job's output folder — Ray's run state, the record spool, failure and request files — is a 404, as is
 any path through ``..`` or a symlink. The run request, which carries the per-attempt ingest token,
-lies outside that folder (service.scheduler.request_path)."""
+lies outside that folder (service.scheduler.paths.request_path)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,16 @@ from urllib.parse import urlparse
 
 import pytest
 
-from service.artifacts import is_allowed
-from service.scheduler import job_dir, request_path
-from tests.scheduler_support import app_without_ray, create_job, migrated, new_key, own_database, upload
+from service.jobs.artifacts import is_allowed
+from service.scheduler.paths import job_dir, request_path
+from tests.scheduler_support import (
+    app_without_ray,
+    create_job,
+    migrated,
+    new_key,
+    own_database,
+    upload,
+)
 
 ARTIFACTS = "/v1/fine_tuning/jobs/{}/artifacts"
 

@@ -16,8 +16,8 @@ from starlette.testclient import TestClient
 
 from bench import api_harness as h
 from bench import profile_summary
-from service import auth
-from service.db import session_scope
+from service.store import auth
+from service.store.db import session_scope
 from tests.scheduler_support import create_job, new_key, settings_for, upload
 
 
@@ -139,8 +139,8 @@ def test_profile_summary_gives_each_sample_to_its_innermost_phase(tmp_path: Path
     mw = "LatencyMiddleware.__call__ (api/metrics.py:90)"
     stacks = tmp_path / "p.txt"
     stacks.write_text("\n".join([
-        f"{loop};{mw};authenticate (service/auth.py:95);Cursor.execute (psycopg/cursor.py:97) 3",
-        f"{loop};{mw};get_job (service/jobs.py:243);Session.get (sqlalchemy/orm/session.py:1) 5",
+        f"{loop};{mw};authenticate (service/store/auth.py:95);Cursor.execute (psycopg/cursor.py:97) 3",
+        f"{loop};{mw};get_job (service/jobs/crud.py:243);Session.get (sqlalchemy/orm/session.py:1) 5",
         f"{loop};{mw} 2",
         "Thread.run (threading.py:1);WorkerThread.run (anyio/_backends/_asyncio.py:9);Condition.wait (threading.py:3) 7",
     ]) + "\n")

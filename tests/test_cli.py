@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from service import auth, db
-from service.cli import app
-from service.errors import Unauthorized
+from service.cli.main import app
+from service.domain.errors import Unauthorized
 from service.settings import get_settings
+from service.store import auth, db
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def _memfit(args: list[str], cwd: Path, **settings: str) -> subprocess.Completed
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith(("MEMFIT_", "RAY_ADDRESS"))}
     env.update({"PYTHONPATH": str(ROOT), "MEMFIT_DATABASE_URL": f"sqlite:///{cwd / 'memfit.db'}",
                 "MEMFIT_STORAGE_DIR": str(cwd / "storage"), **settings})
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "service.cli.main", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -94,14 +94,14 @@ def test_serve_starts_with_model_dirs_in_the_documented_form(tmp_path):
     """The report's command: `MEMFIT_MODEL_DIRS=/models memfit serve` (scheduler off: no Ray head)."""
     import httpx
 
-    from service.raycluster import free_port
+    from service.scheduler.local_head import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith(("MEMFIT_", "RAY_ADDRESS"))}
     env.update({"PYTHONPATH": str(ROOT), "MEMFIT_DATABASE_URL": f"sqlite:///{tmp_path / 'memfit.db'}",
                 "MEMFIT_STORAGE_DIR": str(tmp_path / "storage"), "MEMFIT_SCHEDULER_ENABLED": "false",
                 "MEMFIT_MODEL_DIRS": f"{tmp_path}/models,{tmp_path}/more"})
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

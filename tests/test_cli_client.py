@@ -15,9 +15,18 @@ from typer.testing import CliRunner
 
 from api.app import create_app
 from api.routes.stream import StreamHub
-from service.cli import app as cli
-from service.scheduler import RayJobs, Scheduler
-from tests.scheduler_support import LiveServer, create_job, migrated, new_key, own_database, settings_for, upload
+from service.cli.main import app as cli
+from service.scheduler.loop import Scheduler
+from service.scheduler.ray_jobs import RayJobs
+from tests.scheduler_support import (
+    LiveServer,
+    create_job,
+    migrated,
+    new_key,
+    own_database,
+    settings_for,
+    upload,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -182,7 +191,7 @@ def test_follow_stream_cancels_a_job_past_its_deadline(env, tenant):
     import httpx
     from rich.console import Console
 
-    from service.cli_client import follow_stream
+    from service.cli.client import follow_stream
 
     key, _ = tenant
     server, _, _ = env

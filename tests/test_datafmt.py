@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.datafmt import DataError, DatasetSummary, validate_jsonl
+from service.domain.datafmt import DataError, DatasetSummary, validate_jsonl
 
 CHAT = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
 

@@ -529,7 +529,7 @@ def test_images_are_pinned_and_the_dockerfile_says_how_torch_is_chosen():
 
 _SUBMIT = r"""
 import json, sys, time
-from service.scheduler import RayJobs
+from service.scheduler.ray_jobs import RayJobs
 ray = RayJobs(sys.argv[1], auth_mode="token", ship_code=False)
 sid = "deploy-token-check"
 ray.submit(sid, sys.executable + " -c 'import ray; ray.init(address=\"auto\"); print(\"CPUs\", ray.cluster_resources().get(\"CPU\"))'",
@@ -549,7 +549,7 @@ def test_token_mode_as_configured_locks_out_strangers_and_lets_memfit_in(tmp_pat
     """The compose container's env (a LocalRayHead in token mode, RAY_AUTH_TOKEN) and the memfit
     container's (MEMFIT_RAY_AUTH_MODE/RAY_AUTH_MODE token + RAY_AUTH_TOKEN) against a real head."""
     pytest.importorskip("ray", reason="the [train] extra is not installed")
-    from service.raycluster import LocalRayHead
+    from service.scheduler.local_head import LocalRayHead
 
     compose_memfit = compose_env(compose_raw()["services"]["memfit"])
     (_, memfit), *_ = memfit_containers()

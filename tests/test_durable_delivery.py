@@ -1,7 +1,7 @@
 """Nothing a finished run produced is lost when the API is away.
 
 The run's sink spools every record to ``metrics-attempt-N.jsonl`` before posting it; when Ray says the
-run ended with part of its spool undelivered, the scheduler stores that part through service.ingest
+run ended with part of its spool undelivered, the scheduler stores that part through service.jobs.ingest
 — the same fencing and dedupe keys as the API — instead of failing the job ``missing_result``.
 
 - replay on its own (real Postgres, no Ray): what the API already holds is not stored twice, the
@@ -13,7 +13,6 @@ run ended with part of its spool undelivered, the scheduler stores that part thr
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -25,11 +24,12 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from service import db
-from service import spool as spool_file
-from service.models import Checkpoint, Job, JobEvent, MemorySample
-from service.raycluster import free_port, ray_env
-from service.scheduler import RAY_TERMINAL, RayJobs, spool_path, submission_id
+from service.scheduler.local_head import free_port, ray_env
+from service.scheduler.paths import spool_path, submission_id
+from service.scheduler.ray_jobs import RAY_TERMINAL, RayJobs
+from service.store import db
+from service.store import spool as spool_file
+from service.store.models import Checkpoint, Job, JobEvent, MemorySample
 from tests.scheduler_support import (
     LiveServer,
     app_without_ray,
@@ -248,7 +248,7 @@ class Serve:
 
     def start(self) -> "Serve":
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli.main", "serve", "--port", str(self.port),
                                       "--log-level", "warning"], cwd=ROOT, env=self.env, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         log.close()

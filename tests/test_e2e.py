@@ -17,9 +17,11 @@ import pytest
 from sqlalchemy import select
 
 from api.app import create_app
-from service.models import Job
-from service.raycluster import free_port, ray_env
-from service.scheduler import RayJobs, Scheduler, start_in_thread, submission_id
+from service.scheduler.local_head import free_port, ray_env
+from service.scheduler.loop import Scheduler, start_in_thread
+from service.scheduler.paths import submission_id
+from service.scheduler.ray_jobs import RayJobs
+from service.store.models import Job
 from tests.scheduler_support import (
     LiveServer,
     create_job,
@@ -285,7 +287,7 @@ def test_scheduler_sigkill_mid_job_another_adopts_it_no_duplicate_ray_job(stack,
     })
     log_path = artifacts_dir / "e2e-scheduler-subprocess.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "scheduler"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli.main", "scheduler"], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         job_id = stack.create(hyperparameters={"max_steps": 60}, checkpoint_every_steps=30)

@@ -1,11 +1,11 @@
 """A job's event ids commit in id order, on real Postgres, so a reader that follows ``id > cursor``
-(the SSE stream, service.event_feed) never skips one.
+(the SSE stream, service.jobs.event_feed) never skips one.
 
 Postgres hands out ``job_events.id`` at INSERT, not at COMMIT: two writers of one job's events, the
 first holding its transaction open, could otherwise commit ids out of order — the reader sees the
 later id, moves its cursor past it, and the earlier one commits behind the cursor, never delivered.
 Every event writer now holds the job's row lock from before its insert until its commit
-(service.jobs.lock_job_events); these tests race real writers (the scheduler's add_event, bulk
+(service.jobs.crud.lock_job_events); these tests race real writers (the scheduler's add_event, bulk
 add_events, status transitions, ingest) against a reader calling events_since.
 """
 
@@ -18,10 +18,10 @@ import time
 import pytest
 from sqlalchemy import text
 
-from service.ingest import ingest
-from service.jobs import add_event, add_events, events_since
-from service.records import IngestBatch
-from service.states import JobStatus, transition
+from service.domain.records import IngestBatch
+from service.domain.states import JobStatus, transition
+from service.jobs.crud import add_event, add_events, events_since
+from service.jobs.ingest import ingest
 from tests.scheduler_support import app_without_ray, create_job, new_key, upload
 
 WAIT_S = 60.0  # a hang guard for the orchestration below, not a timing assertion

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.spec import JobSpec, check_rules
+from service.domain.spec import JobSpec, check_rules
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SPECS = sorted(EXAMPLES.glob("*.yaml"))
@@ -27,7 +27,7 @@ def test_example_spec_is_valid(path):
     assert path.read_text().startswith("# A memfit job"), "document the file format at the top"
     spec = JobSpec.model_validate(body)
     assert check_rules(spec) == []
-    from service.datafmt import validate_jsonl
+    from service.domain.datafmt import validate_jsonl
 
     for field in ("training_file", "validation_file"):
         if body.get(field):

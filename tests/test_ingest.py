@@ -8,9 +8,15 @@ import time
 
 import pytest
 
-from service.models import Job
-from service.raycluster import free_port
-from tests.scheduler_support import LiveServer, app_without_ray, create_job, new_key, upload
+from service.scheduler.local_head import free_port
+from service.store.models import Job
+from tests.scheduler_support import (
+    LiveServer,
+    app_without_ray,
+    create_job,
+    new_key,
+    upload,
+)
 from workers.sink_http import HttpSink
 
 INGEST = "/v1/internal/jobs/{}/ingest"

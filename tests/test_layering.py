@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = """
 import sys
-import api.app, api.routes.jobs, api.routes.files, service.jobs, service.spec, service.cli, service.db, service.auth
-import service.files, service.datafmt, service.states, service.models
+import api.app, api.routes.jobs, api.routes.files, service.jobs.crud, service.domain.spec, service.cli.main, service.store.db, service.store.auth
+import service.jobs.files, service.domain.datafmt, service.domain.states, service.store.models
 app = api.app.create_app(__import__("service.settings", fromlist=["Settings"]).Settings(
     database_url="sqlite:///" + sys.argv[1], storage_dir=sys.argv[2]))
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "ray", "transformers", "deepspeed", "peft"))

@@ -10,7 +10,14 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from bench.memory_accuracy import (  # noqa: E402
-    Case, fullest_rank_states, measure, measured_categories, predict, predicted_categories, run_rank)
+    Case,
+    fullest_rank_states,
+    measure,
+    measured_categories,
+    predict,
+    predicted_categories,
+    run_rank,
+)
 
 SLICE_IN_PROCESS = [
     Case("small-llama", 128, "none", "fp32", False, "ddp1"),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.models import File
+from service.store.models import File
 from tests.scheduler_support import app_without_ray, create_job, new_key, upload
 
 

@@ -6,8 +6,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
-from service import db
-from service.models import Base
+from service.store import db
+from service.store.models import Base
 
 TABLES = {"tenants", "api_keys", "files", "idempotency_keys", "jobs", "job_events", "checkpoints", "memory_samples"}
 

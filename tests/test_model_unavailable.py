@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from service.spec import JobSpec, RunRequest
+from service.domain.spec import JobSpec, RunRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "data"
@@ -146,9 +146,18 @@ def test_a_job_with_an_uncached_hub_id_fails_model_unavailable_without_starting_
     """The whole path: API → scheduler → Ray job → the driver's check → failure record → job failed.
     Today the same job started Ray Train's worker group again and again (`[FailurePolicy] RETRY`)."""
     from api.app import create_app
-    from service.raycluster import free_port
-    from service.scheduler import RayJobs, Scheduler, start_in_thread, submission_id
-    from tests.scheduler_support import LiveServer, create_job, migrated, new_key, settings_for, upload
+    from service.scheduler.local_head import free_port
+    from service.scheduler.loop import Scheduler, start_in_thread
+    from service.scheduler.paths import submission_id
+    from service.scheduler.ray_jobs import RayJobs
+    from tests.scheduler_support import (
+        LiveServer,
+        create_job,
+        migrated,
+        new_key,
+        settings_for,
+        upload,
+    )
 
     url = f"sqlite:///{tmp_path / 'memfit.db'}"
     migrated(url)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from service.modelshape import UnsupportedModel, shape_from_config, shape_from_path
-from service.presets import PRESETS
+from service.domain.presets import PRESETS
+from service.memory.shape import UnsupportedModel, shape_from_config, shape_from_path
 
 FAMILY_CONFIGS = {
     "llama": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 3,
@@ -94,9 +94,9 @@ def test_llama2_7b_count():
 def test_every_family_the_planner_reads_has_automatic_lora_targets_and_they_match(name):
     """target_modules "auto" adapts, in the worker, exactly what the planner counts for it."""
     pytest.importorskip("peft")
-    from service.modelshape import SUPPORTED
-    from service.planner import _lora_targets
-    from service.spec import JobSpec
+    from service.domain.spec import JobSpec
+    from service.memory.planner import _lora_targets
+    from service.memory.shape import SUPPORTED
     from workers.peft_setup import AUTO_TARGETS, apply_peft
 
     assert SUPPORTED <= set(AUTO_TARGETS)

@@ -12,7 +12,7 @@ import openai
 import pytest
 import uvicorn
 
-from service.raycluster import free_port
+from service.scheduler.local_head import free_port
 from tests.conftest import CHAT_JSONL
 
 
@@ -38,8 +38,8 @@ def server(pg_migrated, tmp_path_factory):
 
 @pytest.fixture
 def oai(server):
-    from service import auth
-    from service.db import session_scope
+    from service.store import auth
+    from service.store.db import session_scope
 
     app, base_url = server
     with session_scope(app.state.sessions) as s:
@@ -102,8 +102,8 @@ def test_client_exception_classes(oai, server):
 
 def stored(server, job_id: str):
     """The job row as the scheduler and workers read it."""
-    from service.db import session_scope
-    from service.models import Job
+    from service.store.db import session_scope
+    from service.store.models import Job
 
     app, _ = server
     with session_scope(app.state.sessions) as s:
@@ -122,7 +122,7 @@ def upload(oai) -> str:
 )
 def test_openai_batch_size_alone_is_split_and_used_by_planner_and_workers(oai, server, batch_size, workers, micro,
                                                                          accumulation):
-    from service.spec import JobSpec, RunRequest
+    from service.domain.spec import JobSpec, RunRequest
     from workers.args import train_args
 
     extra = {"extra_body": {"training": {"resources": {"num_workers": workers}}}} if workers > 1 else {}
@@ -232,9 +232,9 @@ def test_every_field_of_the_sdks_types_is_accepted_and_answered(oai, server):
     from openai.types.fine_tuning.job_create_params import JobCreateParams
     from openai.types.fine_tuning.jobs import FineTuningJobCheckpoint
 
-    from service import jobs
-    from service.db import session_scope
-    from service.states import JobStatus, transition
+    from service.domain.states import JobStatus, transition
+    from service.jobs import crud as jobs
+    from service.store.db import session_scope
 
     app, _ = server
     train, valid = upload(oai), upload(oai)

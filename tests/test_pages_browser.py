@@ -18,8 +18,9 @@ import time
 import httpx
 import pytest
 
-from service.scheduler import RayJobs, Scheduler
-from tests.scheduler_support import new_key, own_database, migrated
+from service.scheduler.loop import Scheduler
+from service.scheduler.ray_jobs import RayJobs
+from tests.scheduler_support import migrated, new_key, own_database
 from tests.test_e2e import Stack
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

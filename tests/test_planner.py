@@ -7,10 +7,17 @@ import sys
 
 import pytest
 
-from service.gpus import CATALOGUE, get_gpu
-from service.modelshape import shape_from_config
-from service.planner import auto_fix, plan, plan_for_spec, render, suggest, zero2_gradient_buffer_elements
-from service.spec import JobSpec
+from service.domain.spec import JobSpec
+from service.memory.gpus import CATALOGUE, get_gpu
+from service.memory.planner import (
+    auto_fix,
+    plan,
+    plan_for_spec,
+    render,
+    suggest,
+    zero2_gradient_buffer_elements,
+)
+from service.memory.shape import shape_from_config
 
 LLAMA2_7B = shape_from_config({
     "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -176,6 +183,6 @@ def test_render_prints_a_table():
 
 
 def test_service_planner_does_not_import_torch():
-    code = "import sys, service.planner, service.gpus, service.modelshape; print('torch' in sys.modules)"
+    code = "import sys, service.memory.planner, service.memory.gpus, service.memory.shape; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -204,7 +204,7 @@ _RANK = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_preset_built_by_a_rank_other_than_0_holds_the_model_not_only_the_tokenizer(tmp_path):
-    from service.raycluster import free_port
+    from service.scheduler.local_head import free_port
 
     cache = tmp_path / "presets"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MEMFIT_PRESET_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}

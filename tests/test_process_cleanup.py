@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from service.raycluster import free_port
+from service.scheduler.local_head import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MEMFIT = Path(sys.executable).with_name("memfit")
@@ -330,7 +330,7 @@ def test_run_failing_to_start_ends_the_ray_head_it_had_started(runs):
 OWNER_SCRIPT = """
 import os, subprocess, sys, time
 from pathlib import Path
-from service.lifetime import OWNER_ENV, Ownership
+from service.scheduler.lifetime import OWNER_ENV, Ownership
 own = Ownership(label="owner").in_record(Path(sys.argv[1]))
 os.environ[OWNER_ENV] = own.env_chain()
 a = subprocess.Popen(["sleep", "300"])
@@ -343,7 +343,7 @@ time.sleep(300)
 def test_next_start_ends_only_what_a_dead_owners_record_proves(tmp_path):
     import json
 
-    from service.lifetime import reap_stale
+    from service.scheduler.lifetime import reap_stale
 
     run_dir = tmp_path / "run"
     owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, str(run_dir)], stdout=subprocess.PIPE, text=True,

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchao")
 
-from service.spec import JobSpec, RunRequest  # noqa: E402
+from service.domain.spec import JobSpec, RunRequest  # noqa: E402
 from workers.args import train_args  # noqa: E402
 
 DYN, WEIGHT_ONLY = "int8-dynamic-act-int4-weight", "int4-weight-only"

@@ -14,11 +14,20 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select, update
 
 from api.app import create_app
-from service.errors import StaleAttempt
-from service.models import Job, JobEvent
-from service.scheduler import RayJobs, Scheduler, submission_id, utcnow
-from service.states import JobStatus, transition
-from tests.scheduler_support import create_job, migrated, new_key, own_database, settings_for, upload
+from service.domain.errors import StaleAttempt
+from service.domain.states import JobStatus, transition
+from service.scheduler.loop import Scheduler, utcnow
+from service.scheduler.paths import submission_id
+from service.scheduler.ray_jobs import RayJobs
+from service.store.models import Job, JobEvent
+from tests.scheduler_support import (
+    create_job,
+    migrated,
+    new_key,
+    own_database,
+    settings_for,
+    upload,
+)
 
 NOWHERE = RayJobs("http://127.0.0.1:9")  # claim() never talks to Ray
 

@@ -14,10 +14,16 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from service import spool as spool_file
-from service.models import JobEvent
-from service.raycluster import free_port
-from tests.scheduler_support import LiveServer, app_without_ray, create_job, new_key, upload
+from service.scheduler.local_head import free_port
+from service.store import spool as spool_file
+from service.store.models import JobEvent
+from tests.scheduler_support import (
+    LiveServer,
+    app_without_ray,
+    create_job,
+    new_key,
+    upload,
+)
 from workers.sink_http import HttpSink
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from service.spec import JobSpec, SpecError, auto_epochs, derive, validate_spec
+from service.domain.spec import JobSpec, SpecError, auto_epochs, derive, validate_spec
 
 BASE = {"model": "preset:tiny-llama", "training_file": "file-abc"}
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.y*ml"))

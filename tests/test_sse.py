@@ -14,9 +14,18 @@ from sqlalchemy import text
 
 from api.app import create_app
 from api.routes.stream import StreamHub
-from service.jobs import add_event
-from service.scheduler import RayJobs, Scheduler
-from tests.scheduler_support import LiveServer, create_job, migrated, new_key, own_database, settings_for, upload
+from service.jobs.crud import add_event
+from service.scheduler.loop import Scheduler
+from service.scheduler.ray_jobs import RayJobs
+from tests.scheduler_support import (
+    LiveServer,
+    create_job,
+    migrated,
+    new_key,
+    own_database,
+    settings_for,
+    upload,
+)
 
 INGEST = "/v1/internal/jobs/{}/ingest"
 

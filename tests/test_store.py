@@ -8,12 +8,18 @@ import threading
 import pytest
 from sqlalchemy import select
 
-from service import auth, jobs
-from service.db import make_engine, make_sessionmaker, session_scope
-from service.errors import InvalidTransition, JobNotFound, StaleAttempt, Unauthorized
-from service.models import ApiKey, Job, JobEvent, MemorySample, Tenant, new_id
-from service.records import MemoryRecord
-from service.states import ALLOWED, TERMINAL, JobStatus, transition
+from service.domain.errors import (
+    InvalidTransition,
+    JobNotFound,
+    StaleAttempt,
+    Unauthorized,
+)
+from service.domain.records import MemoryRecord
+from service.domain.states import ALLOWED, TERMINAL, JobStatus, transition
+from service.jobs import crud as jobs
+from service.store import auth
+from service.store.db import make_engine, make_sessionmaker, session_scope
+from service.store.models import ApiKey, Job, JobEvent, MemorySample, Tenant, new_id
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,7 @@ def test_terminal_flags():
     assert all(s not in ALLOWED for s in TERMINAL)
 
 
-# The allowed moves, written out independently of service.states.ALLOWED.
+# The allowed moves, written out independently of service.domain.states.ALLOWED.
 EXPECTED_MOVES = {
     ("validating_files", "queued"), ("validating_files", "failed"), ("validating_files", "cancelled"),
     ("queued", "running"), ("queued", "failed"), ("queued", "cancelled"), ("queued", "paused"),

@@ -8,7 +8,15 @@ import pytest
 
 pytest.importorskip("torch")
 
-from workers.data import IGNORE, DataError, StepSampler, encode_example, load_dataset, pack, read_jsonl  # noqa: E402
+from workers.data import (  # noqa: E402
+    IGNORE,
+    DataError,
+    StepSampler,
+    encode_example,
+    load_dataset,
+    pack,
+    read_jsonl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +95,7 @@ def test_bad_rows_name_file_and_line(tmp_path, lines, line, needle):
 
 def test_run_entry_rejects_bad_rows_before_any_worker(tmp_path):
     """workers.run validates data in the driver: no Ray needed to get the structured error."""
-    from service.spec import RunRequest
+    from service.domain.spec import RunRequest
     from workers.run import RunFailed, fit
 
     bad = tmp_path / "train.jsonl"

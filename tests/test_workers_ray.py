@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from service.spec import JobSpec, RunRequest  # noqa: E402
+from service.domain.spec import JobSpec, RunRequest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "data"

@@ -233,7 +233,7 @@ def test_a_window_with_no_label_tokens_has_no_loss_not_zero():
 
 
 def test_examples_cut_before_their_labels_are_reported_once_as_a_warning(tmp_path):
-    from service.records import EventRecord
+    from service.domain.records import EventRecord
     from workers.sink import report_to_records
 
     chat = str(EXAMPLES / "chat.jsonl")

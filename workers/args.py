@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from service.spec import MERGEABLE_PEFT, RunRequest
+from service.domain.spec import MERGEABLE_PEFT, RunRequest
 
 
 @dataclass

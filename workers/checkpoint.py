@@ -62,7 +62,10 @@ def _is_fsdp2(model) -> bool:
 def full_model_state(model, trainable_only: bool) -> dict:
     """The full (unsharded) model state dict on rank 0, on CPU; a collective under FSDP2."""
     if _is_fsdp2(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
         return get_model_state_dict(model, options=opts)
@@ -78,7 +81,10 @@ def save_torch_state(d: str, model, optimizer, scheduler, *, step: int, strategy
                      rank: int, trainable_only: bool) -> None:
     """ddp/fsdp: every rank calls this (FSDP2 gathers collectively), rank 0 writes."""
     if _is_fsdp2(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
@@ -95,7 +101,10 @@ def load_torch_state(d: str, model, optimizer, scheduler, *, rank: int, trainabl
     """Every rank reads the full state (the storage is shared) and keeps its own shard of it."""
     state = torch.load(Path(d, "state.pt"), map_location="cpu", weights_only=False)
     if _is_fsdp2(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, strict=not trainable_only)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=opts)

@@ -7,7 +7,7 @@ Three formats, one per line, the format told by the keys of the first row:
 - text: ``{"text": "..."}`` — loss on every token.
 
 Labels are aligned with inputs (Hugging Face convention): the loss shifts them by one. -100 marks a
-position that does not count. Row validation is :mod:`service.datafmt`'s (the API runs it on
+position that does not count. Row validation is :mod:`service.domain.datafmt`'s (the API runs it on
 uploads); the small parser here is only a fallback for an older service package.
 """
 
@@ -69,10 +69,10 @@ def _check_row(row, fmt: str | None, line: int, path: str) -> str:
 
 def read_jsonl(path: str) -> tuple[str, list[dict]]:
     """Parse and validate every row; raise DataError (file and line) at the first bad one.
-    Returns (format, rows). Uses service.datafmt — the validator the API runs on uploads — so
+    Returns (format, rows). Uses service.domain.datafmt — the validator the API runs on uploads — so
     the driver, the workers and the API agree on what a good row is."""
     try:
-        from service import datafmt
+        from service.domain import datafmt
     except ImportError:  # pragma: no cover - only where service/ is older than the workers
         return _read_jsonl_local(path)
     rows: list[dict] = []

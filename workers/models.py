@@ -1,6 +1,6 @@
 """Where a model comes from: a built-in preset, a local Hugging Face directory, or a hub id.
 
-Presets are random-init models built from the config dicts in service/presets.py, with a byte-level
+Presets are random-init models built from the config dicts in service/domain/presets.py, with a byte-level
 BPE tokenizer trained in-process to exactly ``vocab_size`` tokens. A built preset is cached on disk
 (``MEMFIT_PRESET_CACHE`` or ~/.cache/memfit/presets) so every rank and every later run loads the
 same weights; the build is seeded and published atomically (workers/published.py), so concurrent
@@ -15,7 +15,7 @@ import os
 import random
 from pathlib import Path
 
-from service.presets import preset_config, preset_name
+from service.domain.presets import preset_config, preset_name
 from workers.published import publish_once
 
 # Bumped whenever _write_preset changes what it writes, so that old cache entries are not reused.
@@ -210,7 +210,12 @@ def _missing_weights(model_dir: Path) -> str | None:
 def _hub_check(model: str) -> None:
     """One HEAD request for the hub id's config.json; ModelSourceError says why it is not there."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        RepositoryNotFoundError,
+    )
 
     try:
         get_hf_file_metadata(hf_hub_url(model, "config.json"), timeout=10)

@@ -8,7 +8,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # The attention projections per model family: what "auto" adapts.
-# Every family the planner reads (service/modelshape.py) has one here.
+# Every family the planner reads (service/memory/shape.py) has one here.
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 AUTO_TARGETS = {**{f: ["q_proj", "k_proj", "v_proj", "o_proj"] for f in _LLAMA_LIKE}, "gpt2": ["c_attn", "c_proj"]}
 # IA3 also scales the MLP's down projection, which it then treats as a feed-forward module.

@@ -21,13 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-from service.spec import RunRequest, SpecError, check_rules
+from service.domain.spec import RunRequest, SpecError, check_rules
 from workers.data import DataError, read_jsonl
 from workers.models import ModelSourceError, check_model
 from workers.sink import RecordCallback, failure_records, make_sinks
 
 HEALTH_CHECK_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
-FAILURE_FIELDS = ("code", "message", "param", "rank", "step", "phase")  # service/records.py: FailureRecord
+FAILURE_FIELDS = ("code", "message", "param", "rank", "step", "phase")  # service/domain/records.py: FailureRecord
 
 
 class RunFailed(RuntimeError):

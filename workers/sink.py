@@ -1,4 +1,4 @@
-"""Where workers' reports go: sinks that take service.records-shaped dicts, and the Ray Train callback
+"""Where workers' reports go: sinks that take service.domain.records-shaped dicts, and the Ray Train callback
 that turns per-rank reports into those records.
 
 Workers call ``ray.train.report(metrics)`` with one dict per rank (see workers/steps.py Progress):
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from service import spool
+from service.store import spool
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """Appends one JSON object per line, each batch in one write(2) (service.spool.append), so the file
+    """Appends one JSON object per line, each batch in one write(2) (service.store.spool.append), so the file
     is complete after every write and several processes (controller, driver) may append."""
 
     def __init__(self, path: str | Path):
@@ -91,7 +91,7 @@ def _clean(d: dict, fields: tuple[str, ...]) -> dict:
 
 
 def report_to_records(per_rank: list[dict], checkpoint_path: str | None, attempt: int, now: float | None = None) -> list[dict]:
-    """Turn one report (a dict per rank) into service.records dicts, attempt and time stamped."""
+    """Turn one report (a dict per rank) into service.domain.records dicts, attempt and time stamped."""
     now = time.time() if now is None else now
     stamp = {"attempt": attempt, "time": now}
     records: list[dict] = []

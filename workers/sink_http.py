@@ -3,7 +3,7 @@
 It runs inside the Ray Train controller (a `UserCallback` hands it one dict per rank and report) and
 in the driver (the run's final failure record), so it must never block on the network or crash
 training. Every record is first appended to the run's spool — the JSON-lines file
-``metrics-attempt-N.jsonl`` (service/spool.py) — and a background thread posts the spool, from its
+``metrics-attempt-N.jsonl`` (service/store/spool.py) — and a background thread posts the spool, from its
 delivered offset on, in batches of `IngestBatch` JSON with the job's ingest token, moving the offset
 forward after each stored batch. Disk is the buffer: memory holds one batch, nothing is dropped for
 space, and whatever is undelivered when the process ends is still in the file, from where the
@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import httpx
 
-from service import spool as spool_file
+from service.store import spool as spool_file
 
 log = logging.getLogger("memfit.sink_http")
 
@@ -100,7 +100,7 @@ class HttpSink:
     # --- the sink interface ------------------------------------------------------------------
 
     def write(self, records: dict[str, Any] | Iterable[dict[str, Any]]) -> None:
-        """Spool one record or a list of them (service.records dicts, as workers.sink's sinks take).
+        """Spool one record or a list of them (service.domain.records dicts, as workers.sink's sinks take).
         Never waits on the network, never raises."""
         self.write_many([records] if isinstance(records, dict) else records)
 

@@ -17,7 +17,14 @@ import torch
 
 from workers import checkpoint as ckpt
 from workers.args import TrainArgs
-from workers.data import StepSampler, TokenizedData, eval_batches, load_dataset, rows_without_labels, step_batches
+from workers.data import (
+    StepSampler,
+    TokenizedData,
+    eval_batches,
+    load_dataset,
+    rows_without_labels,
+    step_batches,
+)
 from workers.models import hidden_size, load_model, load_tokenizer, resolve_model_dir
 from workers.peft_setup import apply_peft, load_qlora_base
 from workers.steps import (
@@ -39,7 +46,6 @@ from workers.steps import (
     warmup_cosine,
     write_failure,
 )
-
 
 # --- shared setup -------------------------------------------------------------------------------
 
@@ -140,7 +146,11 @@ def qat_base_config(scheme: str, group_size: int):
       Not Int4WeightOnlyConfig: its packed layouts only convert with kernels not on PyPI for CPU,
       while this unpacked layout converts on any device.
     """
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup
+    from torchao.quantization import (
+        Int8DynamicActivationIntxWeightConfig,
+        IntxWeightOnlyConfig,
+        PerGroup,
+    )
 
     if scheme == "int8-dynamic-act-int4-weight":
         return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
@@ -328,7 +338,12 @@ def shard_fsdp2(model, device: torch.device, world_size: int, *, precision: str,
     """FSDP2: each decoder layer is one unit (gathered just before it runs), the root holds the rest.
     FSDP1 refuses CPU devices; FSDP2 runs there, offload included when memory is not pinned."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mesh = init_device_mesh(device.type, (world_size,))
     mp = MixedPrecisionPolicy()

@@ -1,6 +1,6 @@
 """Per-rank memory telemetry: exact counters every sampled step, a measured peak on traced steps.
 
-What a sample holds (bytes, per rank, see ``service.records.MemoryRecord``):
+What a sample holds (bytes, per rank, see ``service.domain.records.MemoryRecord``):
 
 - ``parameters_bytes`` / ``gradients_bytes`` / ``optimizer_bytes`` are counted from the tensors
   themselves, one count per unique storage, so views into a flat buffer (DeepSpeed's bit16 groups,

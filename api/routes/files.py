@@ -10,9 +10,15 @@ from fastapi.responses import FileResponse
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
-from api.schemas import FileDeletedPublic, FilePublic, ListPublic, file_public, page_public
-from service import files
-from service.errors import BadRequest, PayloadTooLarge
+from api.schemas import (
+    FileDeletedPublic,
+    FilePublic,
+    ListPublic,
+    file_public,
+    page_public,
+)
+from service.domain.errors import BadRequest, PayloadTooLarge
+from service.jobs import files
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from service import db
+from service.store import db
 
 router = APIRouter(tags=["health"])
 

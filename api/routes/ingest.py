@@ -1,7 +1,7 @@
 """POST /v1/internal/jobs/{job_id}/ingest: the Ray job's metrics sink reports here.
 
 Authenticated by the job's own ingest token (Bearer), not by a tenant API key: the token opens this
-one job's ingest endpoint and nothing else. Everything else is in service.ingest.
+one job's ingest endpoint and nothing else. Everything else is in service.jobs.ingest.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from api.deps import SessionDep, SettingsDep
-from service import ingest
-from service.records import IngestBatch
+from service.domain.records import IngestBatch
+from service.jobs import ingest
 
 router = APIRouter(prefix="/v1/internal/jobs", tags=["internal"])
 

@@ -19,8 +19,8 @@ from api.schemas import (
     job_public_dict,
     page_public,
 )
-from service import jobs
-from service.errors import UnprocessableEntity
+from service.domain.errors import UnprocessableEntity
+from service.jobs import crud as jobs
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -33,7 +33,7 @@ def create_job(
     session: SessionDep,
     principal: PrincipalDep,
     settings: SettingsDep,
-    body: Annotated[Any, Body(description="OpenAI's create body plus memfit's `training` object (service.spec.JobSpec).")],
+    body: Annotated[Any, Body(description="OpenAI's create body plus memfit's `training` object (service.domain.spec.JobSpec).")],
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ):
     created = jobs.create_job(

@@ -1,7 +1,7 @@
 """Memory truth over HTTP (issue 5): plan a job without creating it, and predicted vs measured for a job.
 
 - ``POST /v1/memory/plan`` takes the job-creation body (``training_file`` optional) and answers the
-  plan (service.memory.plan_for_spec): ``fits``, parameter counts, per-rank device/host bytes by
+  plan (service.memory.preflight.plan_for_spec): ``fits``, parameter counts, per-rank device/host bytes by
   category, capacity, margin, assumptions and the ranked ``suggestions`` that fit. The GPU planned
   against is the query parameter ``gpu`` (a catalogue name such as ``a100-40gb``) when given, else the
   body's ``training.resources.gpu_type``; with neither, a CPU worker (its host memory budget, if any).
@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Request
 
 from api.deps import PrincipalDep, ReadSessionDep, SettingsDep
-from service import memory
+from service.memory import compare, preflight
 
 router = APIRouter(tags=["memory"])
 
@@ -34,10 +34,10 @@ def plan_memory(
     gpu: Annotated[str | None, Query(description="Plan for this GPU (catalogue name, e.g. a100-40gb) "
                                                  "instead of training.resources.gpu_type.")] = None,
 ) -> dict[str, Any]:
-    return memory.plan_request(body, settings, gpu=gpu, known_gpus=request.app.state.known_gpus)
+    return preflight.plan_request(body, settings, gpu=gpu, known_gpus=request.app.state.known_gpus)
 
 
 @router.get("/v1/fine_tuning/jobs/{job_id}/memory", tags=["fine-tuning"],
             summary="Predicted vs measured memory per rank and category")
 def job_memory(job_id: str, session: ReadSessionDep, principal: PrincipalDep) -> dict[str, Any]:
-    return memory.get_job_memory(session, principal, job_id)
+    return compare.get_job_memory(session, principal, job_id)

@@ -7,7 +7,7 @@
   is embedded as JSON (``<script type="application/json" id="page-data">``) and updated live from the
   SSE stream (api/routes/stream.py) plus ``/ui/jobs/{id}/memory.json`` for new memory samples.
 - ``/ui/planner``: the memory planner as a form.
-- ``/v1/fine_tuning/jobs/{id}/artifacts[/{path}]``: the job's model artefacts, by service.artifacts'
+- ``/v1/fine_tuning/jobs/{id}/artifacts[/{path}]``: the job's model artefacts, by service.jobs.artifacts'
   allowlist (nothing else of its output folder: no Ray internals, spools or failure files; no
   ``..`` or symlinks), tenant-checked, with the API key or the cookie.
 
@@ -27,11 +27,13 @@ from fastapi.templating import Jinja2Templates
 
 from api.deps import ReadSessionDep, SettingsDep
 from api.web_auth import COOKIE, WebPrincipalDep, credentials
-from service import artifacts, dashboard, jobs
-from service.auth import authenticate
-from service.errors import NotFound, Unauthorized
-from service.states import JobStatus
-from service.units import human_bytes
+from service.domain.errors import NotFound, Unauthorized
+from service.domain.states import JobStatus
+from service.domain.units import human_bytes
+from service.jobs import artifacts
+from service.jobs import crud as jobs
+from service.store.auth import authenticate
+from service.views import dashboard
 
 HERE = Path(__file__).resolve().parent.parent
 templates = Jinja2Templates(directory=str(HERE / "templates"))
@@ -200,7 +202,7 @@ async def planner_submit(request: Request, session: ReadSessionDep):
 
 
 def _planner(request: Request, form: dict[str, str] | None):
-    from service import plan_page
+    from service.views import plan_page
 
     ctx = plan_page.evaluate(form, known_gpus=request.app.state.known_gpus, settings=request.app.state.settings)
     return templates.TemplateResponse(request, "planner.html", {**ctx, "page_data": ctx.get("result")},

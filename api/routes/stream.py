@@ -39,9 +39,10 @@ from starlette.routing import Match
 from api.deps import ReadSessionDep
 from api.schemas import event_public
 from api.web_auth import WebPrincipalDep
-from service import event_feed, jobs
-from service.errors import UnprocessableEntity
-from service.states import JobStatus
+from service.domain.errors import UnprocessableEntity
+from service.domain.states import JobStatus
+from service.jobs import crud as jobs
+from service.jobs import event_feed
 
 log = logging.getLogger("memfit.api.stream")
 

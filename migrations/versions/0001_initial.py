@@ -17,7 +17,7 @@ down_revision = None
 branch_labels = None
 depends_on = None
 
-# Spelled out here (not imported from service.models) so this revision never changes with the app.
+# Spelled out here (not imported from service.store.models) so this revision never changes with the app.
 TS = sa.DateTime(timezone=True)
 JSON_ = sa.JSON().with_variant(postgresql.JSONB(astext_type=sa.Text()), "postgresql")
 # SQLite auto-increments only an INTEGER PRIMARY KEY.

@@ -14,12 +14,17 @@ from typing import BinaryIO
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.auth import Principal
-from service.datafmt import DataError, validate_jsonl
-from service.db import Page, newest_first_page
-from service.errors import FileNotFound, InvalidFile, PayloadTooLarge, UnprocessableEntity
-from service.models import File, new_id
+from service.domain.datafmt import DataError, validate_jsonl
+from service.domain.errors import (
+    FileNotFound,
+    InvalidFile,
+    PayloadTooLarge,
+    UnprocessableEntity,
+)
 from service.settings import Settings
+from service.store.auth import Principal
+from service.store.db import Page, newest_first_page
+from service.store.models import File, new_id
 
 PURPOSES = ("fine-tune",)
 CHUNK = 1024 * 1024

@@ -26,13 +26,12 @@ figures are the fullest rank's: the one that runs out of memory first.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.gpus import GPU, MiB, get_gpu
-from service.modelshape import ModelShape
-from service.spec import JobSpec, PeftMethod, Precision, StrategyName
+from service.domain.spec import JobSpec, PeftMethod, Precision, StrategyName
+from service.memory.gpus import GPU, MiB, get_gpu
+from service.memory.shape import ModelShape
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporary", "overhead")
 DEFAULT_HOST_BYTES = 16 * 2**30  # a CPU worker's memory when no host budget is given
@@ -681,7 +680,7 @@ def auto_fix(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety
 def plan_for_spec(spec: JobSpec, gpu: str | None = None, *, model_path: str | None = None,
                   safety_margin: float = 0.10) -> dict[str, Any]:
     """The JSON the API and CLI return: the plan, and when it does not fit, the ranked suggestions."""
-    from service.modelshape import shape_for_model
+    from service.memory.shape import shape_for_model
 
     shape = shape_for_model(spec.model, model_path)
     p = plan(spec, shape, gpu, safety_margin=safety_margin)

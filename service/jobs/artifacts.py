@@ -21,8 +21,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from service.models import Job
 from service.settings import Settings
+from service.store.models import Job
 
 # One pattern per row, a glob per path segment; "**" (last) is one or more segments.
 ALLOWED: tuple[tuple[str, ...], ...] = (

@@ -53,12 +53,12 @@ def load_job_file(path: Path) -> tuple[dict[str, Any], dict[str, Path]]:
 
 
 def run_file(path: Path, *, console: Console | None = None, timeout_s: float = 3600.0) -> int:
-    from service.embedded import quiet_logging, run_dir
-    from service.lifetime import command_lifetime
+    from service.cli.embedded import quiet_logging, run_dir
+    from service.scheduler.lifetime import command_lifetime
     from service.settings import ensure_dirs, get_settings
 
     console = console or Console()
-    settings = get_settings()  # a bad MEMFIT_* setting: SettingsInvalid, one line each (service/cli.py: main)
+    settings = get_settings()  # a bad MEMFIT_* setting: SettingsInvalid, one line each (service/cli/main.py: main)
     try:
         body, files = load_job_file(path)
     except BadJobFile as exc:
@@ -75,9 +75,9 @@ def run_file(path: Path, *, console: Console | None = None, timeout_s: float = 3
 
 def _run_on_embedded_service(settings, home: Path, body: dict[str, Any], files: dict[str, Path],
                              console: Console, timeout_s: float) -> int:
-    from service.auth import create_key
-    from service.db import session_scope
-    from service.embedded import EmbeddedService
+    from service.cli.embedded import EmbeddedService
+    from service.store.auth import create_key
+    from service.store.db import session_scope
 
     t0 = time.monotonic()
     with console.status("Starting the embedded service (database, local Ray head, API, scheduler)…"):
@@ -107,7 +107,7 @@ def _run_on_embedded_service(settings, home: Path, body: dict[str, Any], files: 
             console.print(f"created {job['id']} ({job['model']})")
             try:
                 job = follow(http, service, job["id"], console, timeout_s)
-            except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM/SIGHUP as service.lifetime.Stopped
+            except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM/SIGHUP as service.scheduler.lifetime.Stopped
                 console.print("[yellow]interrupted: cancelling the job[/yellow]")
                 http.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")
                 return getattr(stop, "exit_code", 130)
@@ -121,7 +121,7 @@ def _run_on_embedded_service(settings, home: Path, body: dict[str, Any], files: 
 def follow(http: httpx.Client, service, job_id: str, console: Console, timeout_s: float) -> dict:
     """Follow the job live until terminal (the SSE stream, the same progress bar as `memfit jobs
     follow`: step/total, loss, tokens/s, peak memory per rank, ETA); cancel it after ``timeout_s``."""
-    from service.cli_client import follow_stream
+    from service.cli.client import follow_stream
 
     return follow_stream(http, job_id, console, timeout_s=timeout_s)
 
@@ -181,7 +181,7 @@ def _model_paths(http: httpx.Client, job: dict) -> list[str]:
     return out
 
 
-# --- the typer commands (registered in service/cli.py) ---------------------------------------------
+# --- the typer commands (registered in service/cli/main.py) ---------------------------------------------
 
 import typer  # noqa: E402
 
@@ -198,7 +198,7 @@ def scheduler_cli() -> None:
     """Run the scheduler loop alone against MEMFIT_DATABASE_URL and MEMFIT_RAY_ADDRESS (Jobs API URL)."""
     import logging
 
-    from service.embedded import scheduler_main
+    from service.cli.embedded import scheduler_main
     from service.settings import get_settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

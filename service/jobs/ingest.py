@@ -1,6 +1,6 @@
 """Ingest: what a running Ray job reports about itself, turned into job state.
 
-The Ray job's HTTP sink posts :class:`service.records.IngestBatch` bodies with the job's ingest
+The Ray job's HTTP sink posts :class:`service.domain.records.IngestBatch` bodies with the job's ingest
 token (a per-attempt secret the scheduler generated at claim time; only its sha256 is stored on the
 job). One batch is one transaction:
 
@@ -33,13 +33,8 @@ from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import metrics
-from service.errors import Conflict, DomainError, JobNotFound, StaleAttempt
-from service.jobs import add_checkpoint, add_events, add_memory_samples
-from service.memory import oom_error
-from service.memory import summary_fields as memory_summary_fields
-from service.models import File, Job, JobEvent, new_id
-from service.records import (
+from service.domain.errors import Conflict, DomainError, JobNotFound, StaleAttempt
+from service.domain.records import (
     CheckpointRecord,
     EventRecord,
     FailureRecord,
@@ -49,9 +44,14 @@ from service.records import (
     Record,
     ResultRecord,
 )
-from service.scheduler import ingest_token_matches
+from service.domain.states import JobStatus, transition
+from service.jobs import metrics
+from service.jobs.crud import add_checkpoint, add_events, add_memory_samples
+from service.memory.compare import summary_fields as memory_summary_fields
+from service.memory.oom import oom_error
+from service.scheduler.tokens import ingest_token_matches
 from service.settings import Settings
-from service.states import JobStatus, transition
+from service.store.models import File, Job, JobEvent, new_id
 
 ACCEPTING = (JobStatus.running.value, JobStatus.paused.value)
 _RECORD = TypeAdapter(Record)
@@ -94,7 +94,7 @@ def ingest(session: Session, settings: Settings, job_id: str, token: str | None,
 
 
 def replay(session: Session, settings: Settings, job_id: str, records: list[dict[str, Any]]) -> IngestResult:
-    """Store records read back from a run's spool (service/spool.py): the scheduler's way in when the
+    """Store records read back from a run's spool (service/store/spool.py): the scheduler's way in when the
     run ended before its sink could deliver them. No token — the scheduler is trusted and reads the
     attempt's own file — but otherwise exactly ``ingest``: records of another attempt, or for a job
     that accepts no more records, are refused whole (StaleAttempt, JobNotAccepting), and what is
@@ -211,7 +211,7 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
                    event_data={"error": error})
         status, new = JobStatus.failed.value, new + 1
     elif fields:
-        from service.jobs import update_job
+        from service.jobs.crud import update_job
 
         update_job(session, job.id, expected_attempt=attempt, **fields)
     return IngestResult(accepted=new, duplicates=dup, status=status)

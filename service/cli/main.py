@@ -29,12 +29,12 @@ def serve(
     """Start the API (SQLite embedded mode migrates itself; on Postgres run `memfit db upgrade` first).
 
     SIGTERM, SIGINT and SIGHUP stop it with everything it started: uvicorn's workers, the scheduler
-    and the local Ray head with all it forked (service/lifetime.py); a start after a SIGKILL ends what
+    and the local Ray head with all it forked (service/scheduler/lifetime.py); a start after a SIGKILL ends what
     the killed one left."""
     import uvicorn
 
-    from service.embedded import run_dir
-    from service.lifetime import command_lifetime
+    from service.cli.embedded import run_dir
+    from service.scheduler.lifetime import command_lifetime
     from service.settings import get_settings
 
     settings = get_settings()  # refuse unsafe settings before binding the port
@@ -44,7 +44,10 @@ def serve(
         if not settings.scheduler_enabled:
             uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
             return
-        from service.embedded import background_scheduler, with_api_url  # the scheduler (+ local Ray head)
+        from service.cli.embedded import (  # the scheduler (+ local Ray head)
+            background_scheduler,
+            with_api_url,
+        )
 
         with background_scheduler(with_api_url(settings, host, port)):
             uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers,
@@ -52,8 +55,8 @@ def serve(
 
 
 def _sessions():
-    from service import db
     from service.settings import ensure_dirs, get_settings
+    from service.store import db
 
     settings = get_settings()
     ensure_dirs(settings)
@@ -65,8 +68,8 @@ def _sessions():
 @keys_app.command("create")
 def keys_create(tenant: str = typer.Option(..., "--tenant", help="Tenant name; created if new.")) -> None:
     """Create an API key and print it once (only its hash is stored)."""
-    from service import auth
-    from service.db import session_scope
+    from service.store import auth
+    from service.store.db import session_scope
 
     with session_scope(_sessions()) as session:
         issued = auth.create_key(session, tenant)
@@ -78,9 +81,9 @@ def keys_create(tenant: str = typer.Option(..., "--tenant", help="Tenant name; c
 @keys_app.command("revoke")
 def keys_revoke(prefix: str = typer.Argument(..., help="The key's visible prefix, e.g. mf_live_Ab3dE9xQ.")) -> None:
     """Revoke a key: requests with it get 401 from now on."""
-    from service import auth
-    from service.db import session_scope
-    from service.errors import NotFound
+    from service.domain.errors import NotFound
+    from service.store import auth
+    from service.store.db import session_scope
 
     try:
         with session_scope(_sessions()) as session:
@@ -96,8 +99,8 @@ def keys_list() -> None:
     """List keys by prefix (the keys themselves are never stored)."""
     from rich.table import Table
 
-    from service import auth
-    from service.db import session_scope
+    from service.store import auth
+    from service.store.db import session_scope
 
     table = Table("prefix", "tenant", "created", "revoked")
     with session_scope(_sessions()) as session:
@@ -109,8 +112,8 @@ def keys_list() -> None:
 @db_app.command("upgrade")
 def db_upgrade(revision: str = typer.Argument("head")) -> None:
     """Apply migrations to MEMFIT_DATABASE_URL."""
-    from service import db
     from service.settings import ensure_dirs, get_settings
+    from service.store import db
 
     settings = get_settings()
     ensure_dirs(settings)
@@ -118,14 +121,14 @@ def db_upgrade(revision: str = typer.Argument("head")) -> None:
     console.print(f"database at {revision}")
 
 
-from service.run_command import run_cli, scheduler_cli  # noqa: E402 - the scheduler's commands
+from service.cli.run import run_cli, scheduler_cli  # noqa: E402 - the scheduler's commands
 
 app.command("run")(run_cli)
 app.command("scheduler")(scheduler_cli)
 app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
 
-from service.cli_client import files_app, jobs_app, plan_command  # noqa: E402 - the API client commands
+from service.cli.client import files_app, jobs_app, plan_command  # noqa: E402 - the API client commands
 
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(files_app, name="files")
@@ -138,7 +141,9 @@ def main() -> None:
     try:
         app()
     except Exception as exc:
-        from service.settings import SettingsInvalid  # imported already if that is what was raised
+        from service.settings import (
+            SettingsInvalid,  # imported already if that is what was raised
+        )
 
         if not isinstance(exc, SettingsInvalid):
             raise

@@ -1,7 +1,7 @@
 """The planner page's form: knobs → a job spec → the memory planner's answer, ready to render.
 
 The page (api/routes/pages.py, ``/ui/planner``) and ``memfit plan`` without a server both call
-:func:`plan_body`. The arithmetic is the planner's (service/planner.py, issue "Memory"); this module
+:func:`plan_body`. The arithmetic is the planner's (service/memory/planner.py, issue "Memory"); this module
 only turns form fields into the spec the planner takes and its answer into rows.
 """
 
@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.dashboard import CATEGORIES, CATEGORY_LABELS, plan_breakdown, plan_capacity, plan_suggestions
-from service.presets import PRESETS
+from service.domain.presets import PRESETS
+from service.views.dashboard import (
+    CATEGORIES,
+    CATEGORY_LABELS,
+    plan_breakdown,
+    plan_capacity,
+    plan_suggestions,
+)
 
 DEFAULTS = {
     "model": "preset:small-llama", "gpu": "a100-40gb", "strategy": "ddp", "peft": "none", "lora_r": "16",
@@ -52,11 +58,11 @@ def plan_body(body: dict[str, Any], gpu: str | None = None, settings=None) -> di
     plan_for_spec, the same as ``POST /v1/memory/plan``. Raises PlannerUnavailable when the planner is
     not part of this build, SpecError for a bad body, ValueError for an unknown GPU or model shape."""
     try:
-        from service.memory import plan_for_spec
+        from service.memory.preflight import plan_for_spec
     except ImportError as exc:
-        raise PlannerUnavailable("the memory planner (service/memory.py, service/planner.py) is not part of this build") from exc
+        raise PlannerUnavailable("the memory planner (service/memory/) is not part of this build") from exc
+    from service.domain.spec import validate_spec
     from service.settings import get_settings
-    from service.spec import validate_spec
 
     spec = validate_spec({"training_file": "file-plan-only", **body}, None)
     try:

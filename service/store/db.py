@@ -14,9 +14,9 @@ from typing import Iterator
 from sqlalchemy import Engine, Select, create_engine, event, text, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.errors import UnprocessableEntity
+from service.domain.errors import UnprocessableEntity
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: alembic.ini, migrations/
 
 
 def normalize_url(url: str) -> str:

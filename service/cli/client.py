@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from service.units import human_bytes
+from service.domain.units import human_bytes
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -189,7 +189,7 @@ def memory_report(http: httpx.Client, job_id: str) -> dict:
 @jobs_app.command("memory")
 def jobs_memory(job_id: str, api_url: str = ApiUrl, api_key: str = ApiKey, as_json: bool = Json) -> None:
     """Predicted vs measured memory per rank and category, with the error."""
-    from service.dashboard import COMPARED_LABELS
+    from service.views.dashboard import COMPARED_LABELS
     with client(api_url, api_key) as http:
         try:
             report = memory_report(http, job_id)
@@ -395,7 +395,13 @@ def plan_command(spec: Path = typer.Argument(..., exists=True, dir_okay=False, h
                  api_key: str = typer.Option(None, "--api-key", envvar="MEMFIT_API_KEY"),
                  as_json: bool = Json) -> None:
     """Predict a job's memory per worker without running it (the API's planner, else the local one)."""
-    from service.dashboard import CATEGORIES, CATEGORY_LABELS, plan_breakdown, plan_capacity, plan_suggestions
+    from service.views.dashboard import (
+        CATEGORIES,
+        CATEGORY_LABELS,
+        plan_breakdown,
+        plan_capacity,
+        plan_suggestions,
+    )
 
     body = load_spec(spec)
     if gpu:
@@ -411,7 +417,7 @@ def plan_command(spec: Path = typer.Argument(..., exists=True, dir_okay=False, h
                 if r.status_code >= 400 and not ("fits" in plan or "details" in plan):
                     _fail(ApiError(r.status_code, plan))
     if plan is None:
-        from service.plan_page import PlannerUnavailable, plan_body
+        from service.views.plan_page import PlannerUnavailable, plan_body
 
         try:
             plan = plan_body(body, gpu)
@@ -429,7 +435,9 @@ def plan_command(spec: Path = typer.Argument(..., exists=True, dir_okay=False, h
         _print_json(plan)
         return
     try:
-        from service.planner import render  # the planner's own table: one rendering of a plan
+        from service.memory.planner import (
+            render,  # the planner's own table: one rendering of a plan
+        )
     except ImportError:
         render = None
     if render is not None and isinstance(plan, dict) and "per_rank" in plan:

@@ -1,6 +1,6 @@
 """Job service: what the routes call (create, list, get, cancel, pause, resume, events, checkpoints)
 and the store functions the scheduler and the ingest path build on (events, checkpoints, memory
-samples, fenced field updates). Every status change goes through service.states.transition.
+samples, fenced field updates). Every status change goes through service.domain.states.transition.
 
 Write functions commit their own unit of work (create_job commits twice when it holds an
 Idempotency-Key: once to claim the key, once with the job and the saved answer).
@@ -20,9 +20,7 @@ from typing import Any, Callable, Iterable
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from service.auth import Principal
-from service.db import Page, fetch_page, insert_ignoring_conflicts, newest_first_page
-from service.errors import (
+from service.domain.errors import (
     BadRequest,
     IdempotencyInFlight,
     IdempotencyMismatch,
@@ -32,12 +30,28 @@ from service.errors import (
     StaleAttempt,
     UnprocessableEntity,
 )
-from service.files import get_file
-from service.models import MEMORY_BYTE_COLUMNS, Checkpoint, IdempotencyKey, Job, JobEvent, MemorySample, new_id, utcnow
-from service.presets import PRESETS, preset_name
+from service.domain.presets import PRESETS, preset_name
+from service.domain.spec import JobSpec, SpecError, derive, validate_spec
+from service.domain.states import JobStatus, transition
+from service.jobs.files import get_file
 from service.settings import Settings
-from service.spec import JobSpec, SpecError, derive, validate_spec
-from service.states import JobStatus, transition
+from service.store.auth import Principal
+from service.store.db import (
+    Page,
+    fetch_page,
+    insert_ignoring_conflicts,
+    newest_first_page,
+)
+from service.store.models import (
+    MEMORY_BYTE_COLUMNS,
+    Checkpoint,
+    IdempotencyKey,
+    Job,
+    JobEvent,
+    MemorySample,
+    new_id,
+    utcnow,
+)
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
 # A key whose first request has not finished after this long is taken to belong to a dead process.
@@ -203,13 +217,13 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
             f = files[param] = get_file(session, principal, file_id, param=param)
             if f.purpose != "fine-tune" or f.status != "processed":
                 raise UnprocessableEntity(f"file {file_id} is not a processed fine-tune file", param=param)
-    # OpenAI's hyperparameters → memfit's, written into the spec (service/spec.py: derive), so the stored
+    # OpenAI's hyperparameters → memfit's, written into the spec (service/domain/spec.py: derive), so the stored
     # spec is what the planner plans and the workers run; each value filled in becomes an event below.
     derived = derive(spec, training_examples=files["training_file"].rows, seed=secrets.randbelow(2**31))
     spec = derived.spec
-    # Memory pre-flight (issue 5, service/memory.py): memory_policy=reject raises DoesNotFit (422
+    # Memory pre-flight (issue 5, service/memory/preflight.py): memory_policy=reject raises DoesNotFit (422
     # insufficient_memory), auto returns the spec with the cheapest fitting change, ignore the spec as given.
-    from service import memory
+    from service.memory import preflight as memory
 
     preflight = memory.preflight(spec, settings)
     spec = preflight.spec
@@ -335,7 +349,7 @@ def update_job(session: Session, job_id: str, *, expected_attempt: int | None = 
     """Set non-status fields (lease, ray ids, plan, memory_summary, estimated_finish …), fenced on the
     attempt like transition(). Raises JobNotFound or StaleAttempt. The caller commits."""
     if "status" in fields:
-        raise TypeError("status changes go through service.states.transition")
+        raise TypeError("status changes go through service.domain.states.transition")
     stmt = update(Job).where(Job.id == job_id)
     if expected_attempt is not None:
         stmt = stmt.where(Job.attempt == expected_attempt)
@@ -480,7 +494,7 @@ def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
 
 
 def add_memory_samples(session: Session, job_id: str, records: Iterable[Any]) -> int:
-    """Store MemoryRecord objects (service.records) or dicts; a repeated (attempt, rank, step, phase)
+    """Store MemoryRecord objects (service.domain.records) or dicts; a repeated (attempt, rank, step, phase)
     is ignored. Returns how many were new."""
     rows = []
     for r in records:

@@ -17,8 +17,8 @@ from datetime import datetime, timezone
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.errors import NotFound, Unauthorized
-from service.models import ApiKey, Tenant, new_id
+from service.domain.errors import NotFound, Unauthorized
+from service.store.models import ApiKey, Tenant, new_id
 
 KEY_PREFIX = "mf_live_"
 VISIBLE_CHARS = 8

@@ -7,7 +7,7 @@ holding an old attempt number (a zombie worker, a scheduler that lost its lease)
 :class:`StaleAttempt` instead of overwriting newer state.
 
 The UPDATE also takes the job's row lock, which the transaction holds until it commits, and the
-status event is inserted only after it: like every writer of job events (service.jobs.lock_job_events),
+status event is inserted only after it: like every writer of job events (service.jobs.crud.lock_job_events),
 a transition gets its event id only once the job's previous event writer has committed, so a job's
 event ids commit in increasing order and a stream following ``id > cursor`` never skips one.
 """
@@ -18,12 +18,12 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from service.errors import InvalidTransition, JobNotFound, StaleAttempt
+from service.domain.errors import InvalidTransition, JobNotFound, StaleAttempt
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from service.models import Job
+    from service.store.models import Job
 
 
 class JobStatus(str, Enum):
@@ -93,7 +93,7 @@ def transition(
     """
     from sqlalchemy import update
 
-    from service.models import Job, JobEvent
+    from service.store.models import Job, JobEvent
 
     to = JobStatus(to)
     columns = Job.__mapper__.attrs.keys()

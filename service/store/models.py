@@ -28,7 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from service.states import JobStatus
+from service.domain.states import JobStatus
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 # SQLite only auto-increments an INTEGER PRIMARY KEY; Postgres gets a BIGINT identity.

@@ -285,7 +285,7 @@ KNOWN_CONFIGS["gpt2"] = KNOWN_CONFIGS["openai-community/gpt2"]
 
 def shape_for_model(model: str, model_path: str | None = None) -> ModelShape:
     """A job spec's ``model`` (preset, local directory or a well-known hub id) → its shape."""
-    from service.presets import preset_config, preset_name
+    from service.domain.presets import preset_config, preset_name
 
     if preset_name(model) is not None:
         return shape_from_config(preset_config(model))

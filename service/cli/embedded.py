@@ -7,7 +7,7 @@
 - ``memfit run examples/x.yaml``: the embedded service in the background of one command, one job
   over HTTP with a live progress bar, a summary, and everything it started shut down again.
 
-Each command runs inside ``service.lifetime.command_lifetime(run_dir(settings), …)``: whatever way it
+Each command runs inside ``service.scheduler.lifetime.command_lifetime(run_dir(settings), …)``: whatever way it
 ends, every process it started ends with it, and the next start ends what a SIGKILLed one left.
 """
 
@@ -23,21 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from service.lifetime import command_lifetime
-from service.raycluster import LocalRayHead, free_port
+from service.scheduler.lifetime import command_lifetime
+from service.scheduler.local_head import LocalRayHead, free_port
 from service.settings import Settings
 
 log = logging.getLogger("memfit.embedded")
 
 
 def run_dir(settings: Settings) -> Path:
-    """Where a command records what it started (service/lifetime.py), next to the data it serves."""
+    """Where a command records what it started (service/scheduler/lifetime.py), next to the data it serves."""
     return settings.storage_dir / "run"
 
 
 def ray_for(settings: Settings, *, log_path: Path | None = None) -> tuple[Any, LocalRayHead | None]:
     """(RayJobs, the head we started or None). Starts a local head only without MEMFIT_RAY_ADDRESS."""
-    from service.scheduler import RayJobs
+    from service.scheduler.ray_jobs import RayJobs
 
     if settings.ray_address:
         return RayJobs(settings.ray_address, auth_mode=settings.ray_auth_mode), None
@@ -49,8 +49,8 @@ def ray_for(settings: Settings, *, log_path: Path | None = None) -> tuple[Any, L
 
 
 def make_scheduler(settings: Settings, ray, sessions=None):
-    from service import db
-    from service.scheduler import Scheduler
+    from service.scheduler.loop import Scheduler
+    from service.store import db
 
     if sessions is None:
         sessions = db.make_sessionmaker(db.make_engine(settings.database_url, pool_size=4))
@@ -60,7 +60,7 @@ def make_scheduler(settings: Settings, ray, sessions=None):
 @contextmanager
 def background_scheduler(settings: Settings, *, ray_log: Path | None = None) -> Iterator[Any]:
     """The scheduler loop in a thread for as long as the block runs (and the Ray head it needs)."""
-    from service.scheduler import start_in_thread
+    from service.scheduler.loop import start_in_thread
 
     ray, head = ray_for(settings, log_path=ray_log)
     thread = stop = None
@@ -89,8 +89,8 @@ def with_api_url(settings: Settings, host: str, port: int) -> Settings:
 
 def scheduler_main(settings: Settings) -> None:
     """Run the loop until SIGTERM/SIGINT; release our leases on the way out."""
-    from service import db
-    from service.scheduler import Scheduler
+    from service.scheduler.loop import Scheduler
+    from service.store import db
 
     if settings.is_sqlite:
         db.upgrade(settings.database_url)
@@ -137,7 +137,7 @@ class EmbeddedService:
         import uvicorn
 
         from api.app import create_app
-        from service.scheduler import start_in_thread
+        from service.scheduler.loop import start_in_thread
 
         self.port = self.port or free_port()
         self.settings = self.settings.model_copy(update={"api_url": self.url})
@@ -199,7 +199,7 @@ class EmbeddedService:
 
 
 def _join_through_interrupts(thread: threading.Thread) -> None:
-    """Join even when Ctrl-C or SIGTERM (service.lifetime.Stopped) arrives meanwhile; re-raise it after."""
+    """Join even when Ctrl-C or SIGTERM (service.scheduler.lifetime.Stopped) arrives meanwhile; re-raise it after."""
     interrupted: BaseException | None = None
     while thread.is_alive():
         try:

@@ -3,7 +3,7 @@
 The embedded service (`memfit run`, `memfit serve` without MEMFIT_RAY_ADDRESS) and the test suite
 share this: `ray start --head --block` as a child process on free, non-default ports, so that
 stopping it stops exactly the Ray processes we started (never `ray stop`, which kills every Ray
-process of the user on the host; how a process is known to be ours: service/lifetime.py). No ray
+process of the user on the host; how a process is known to be ours: service/scheduler/lifetime.py). No ray
 import here: this module runs in the service process.
 """
 
@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from service.lifetime import OWNER_ENV, Ownership, process_started
+from service.scheduler.lifetime import OWNER_ENV, Ownership, process_started
 
 
 def free_port() -> int:

@@ -36,13 +36,13 @@ class OpenAIHyperparameters(Strict):
     n_epochs: Union[Auto, int] = Field(
         "auto",
         description="Passes over the training file. 'auto' follows OpenAI's rule for the file's size "
-        "(service.spec.auto_epochs: 3, raised to see 100 examples or lowered to 25,000, within 1–25).",
+        "(service.domain.spec.auto_epochs: 3, raised to see 100 examples or lowered to 25,000, within 1–25).",
     )
     batch_size: Union[Auto, int] = Field(
         "auto",
         description="Global batch in examples per optimizer step: micro_batch_size × "
         "gradient_accumulation_steps × data-parallel workers. A number is split over those three "
-        "(service.spec.split_batch); 'auto' is whatever `training` makes of them.",
+        "(service.domain.spec.split_batch); 'auto' is whatever `training` makes of them.",
     )
     learning_rate_multiplier: Union[Auto, float] = Field(
         "auto", description="Multiplies memfit's base rate, training.hyperparameters.learning_rate; 'auto' is 1."

@@ -8,7 +8,7 @@ One loop (``Scheduler.tick``, every ``settings.poll_seconds``) does, in order:
 3. **adopt** — ``running`` jobs whose lease expired (their scheduler died) get a new owner. The
    attempt does *not* change: if their Ray submission is still alive it is kept, not resubmitted;
 4. **claim** — ``queued`` jobs are claimed with ``SELECT … FOR UPDATE SKIP LOCKED`` (on SQLite the
-   lock clause is a no-op and the fenced UPDATE in :func:`service.states.transition` is what makes a
+   lock clause is a no-op and the fenced UPDATE in :func:`service.domain.states.transition` is what makes a
    claim exclusive — fine for its single scheduler): ``attempt += 1``, a lease, a fresh ingest
    token; then the run request is written and submitted through the Ray Jobs API as
    ``memfit-<job id>-<attempt>``. Ray refuses a second submission with the same id, so a retried or
@@ -19,8 +19,8 @@ One loop (``Scheduler.tick``, every ``settings.poll_seconds``) does, in order:
    resubmits it as a new attempt that resumes from the latest checkpoint in the same storage path;
    jobs already terminal or paused in the database whose Ray job still runs are stopped. A run that
    ended (or was lost) with records its sink never got confirmed — the API was away — has them
-   stored from its spool first (``metrics-attempt-N.jsonl``, service/spool.py) through
-   service.ingest, so a result or failure record in it ends the job as the run did.
+   stored from its spool first (``metrics-attempt-N.jsonl``, service/store/spool.py) through
+   service.jobs.ingest, so a result or failure record in it ends the job as the run did.
 
 The run request (with the attempt's ingest token) is written under ``<storage>/requests/``, outside
 the job's output folder that tenants read artefacts from.
@@ -41,331 +41,50 @@ a shared volume (NFS/EFS/Filestore PVC) mounted on the head and workers on KubeR
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import os
 import secrets
 import shlex
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlparse
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import metrics, spool
-from service.errors import InvalidTransition, JobNotFound, StaleAttempt
-from service.jobs import add_event
-from service.models import Checkpoint, File, Job, JobEvent
-from service.presets import PRESET_PREFIX, PRESETS
+from service.domain.errors import InvalidTransition, JobNotFound, StaleAttempt
+from service.domain.spec import JobSpec, RunRequest
+from service.domain.states import TERMINAL, JobStatus, transition
+from service.jobs import metrics
+from service.jobs.crud import add_event
+from service.scheduler.paths import (
+    INGEST_PATH,
+    job_dir,
+    request_path,
+    spool_path,
+    submission_id,
+)
+from service.scheduler.ray_jobs import (
+    RAY_ACTIVE,
+    RayJobs,
+    RayUnavailable,
+)
+from service.scheduler.tokens import new_ingest_token
+from service.scheduler.validate import ValidationFailed, resolve_model, validate_job
 from service.settings import Settings
-from service.spec import JobSpec, RunRequest
-from service.states import TERMINAL, JobStatus, transition
+from service.store import spool
+from service.store.models import Checkpoint, File, Job, JobEvent
 
 log = logging.getLogger("memfit.scheduler")
-
-RAY_ACTIVE = frozenset({"PENDING", "RUNNING"})
-RAY_TERMINAL = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
-INGEST_PATH = "/v1/internal/jobs/{job_id}/ingest"
 
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
-
-# --- ingest tokens ------------------------------------------------------------------------------
-
-
-def new_ingest_token() -> tuple[str, str]:
-    """A per-attempt token the Ray job uses to post records: (plaintext, sha256 hex stored on the job)."""
-    token = "mfi_" + secrets.token_urlsafe(32)
-    return token, hash_ingest_token(token)
-
-
-def hash_ingest_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def ingest_token_matches(token: str, stored_hash: str | None) -> bool:
-    return stored_hash is not None and hmac.compare_digest(hash_ingest_token(token), stored_hash)
-
-
-def submission_id(job_id: str, attempt: int) -> str:
-    return f"memfit-{job_id}-{attempt}"
-
-
-def job_dir(settings: Settings, job_id: str) -> Path:
-    """The job's output folder: checkpoints, artifacts, the run's spool. Tenants read a part of it
-    (service.artifacts' allowlist), so nothing secret is written here."""
-    return settings.storage_dir / "jobs" / job_id
-
-
-def request_path(settings: Settings, job_id: str, attempt: int) -> Path:
-    """Where an attempt's run request lies — it holds the ingest token, so outside the job's output
-    folder, in an operator-only folder of the shared storage (every Ray node must read it)."""
-    return settings.storage_dir / "requests" / job_id / f"request-attempt-{attempt}.json"
-
-
-def spool_path(settings: Settings, job_id: str, attempt: int) -> Path:
-    """The attempt's record spool (service/spool.py), which its metrics sink writes and delivers."""
-    return job_dir(settings, job_id) / f"metrics-attempt-{attempt}.jsonl"
-
-
-# --- the Ray side -------------------------------------------------------------------------------
-
-
-@dataclass
-class RayStatus:
-    status: str  # PENDING | RUNNING | STOPPED | SUCCEEDED | FAILED
-    message: str | None = None
-    error_type: str | None = None
-    driver_exit_code: int | None = None
-
-
-class RayUnavailable(RuntimeError):
-    """The Jobs API did not answer (head down or restarting): try again next tick, change nothing."""
-
-
-class RayJobs:
-    """A thin client of the Ray Jobs API (``ray[default]``); ray is imported only when used."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        auth_mode: str = "disabled",
-        python: str | None = None,
-        ship_code: bool | None = None,
-        entrypoint_num_cpus: float = 0.1,
-    ) -> None:
-        if "://" not in address:
-            address = "http://" + address
-        self.address = address.rstrip("/")
-        self.auth_mode = auth_mode
-        host = urlparse(self.address).hostname or ""
-        loopback = host in ("127.0.0.1", "localhost", "::1") or host == socket.gethostname()
-        self.python = python or os.environ.get("MEMFIT_RAY_PYTHON") or (sys.executable if loopback else "python")
-        if ship_code is None:
-            ship_code = os.environ.get("MEMFIT_RAY_SHIP_CODE", "1") not in ("0", "false", "no")
-        self.ship_code = ship_code
-        self.entrypoint_num_cpus = entrypoint_num_cpus
-        self._client = None
-        self._lock = threading.Lock()
-        # The Jobs API client has no request timeout: each call runs in a small pool and is given up
-        # after call_timeout_s (the loop must not hang on a stuck head; a late answer is harmless —
-        # submissions are create-once by id and every other call is a read or an idempotent stop).
-        self.call_timeout_s = float(os.environ.get("MEMFIT_RAY_CALL_TIMEOUT_S", "60"))
-        self._pool = None
-
-    def _call(self, fn, *args, **kwargs):
-        import concurrent.futures
-
-        with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="memfit-ray")
-        future = self._pool.submit(fn, *args, **kwargs)
-        try:
-            return future.result(timeout=self.call_timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise RayUnavailable(f"the Ray Jobs API at {self.address} did not answer within "
-                                 f"{self.call_timeout_s:.0f} s") from None
-
-    @property
-    def client(self):
-        with self._lock:
-            if self._client is None:
-                os.environ.setdefault("RAY_AUTH_MODE", self.auth_mode)
-                from ray.job_submission import JobSubmissionClient
-
-                try:
-                    self._client = JobSubmissionClient(self.address)
-                except Exception as exc:  # noqa: BLE001 - connection refused, timeouts …
-                    raise RayUnavailable(f"Ray Jobs API at {self.address}: {exc}") from exc
-            return self._client
-
-    def runtime_env(self, env_vars: dict[str, str]) -> dict[str, Any]:
-        env: dict[str, Any] = {"env_vars": env_vars}
-        if self.ship_code:
-            import service
-            import workers
-
-            env["py_modules"] = [str(Path(service.__file__).parent), str(Path(workers.__file__).parent)]
-            env["excludes"] = ["__pycache__", "*.pyc"]
-        return env
-
-    def submit(self, sid: str, entrypoint: str, env_vars: dict[str, str], metadata: dict[str, str]) -> bool:
-        """Submit once. Returns True when this call created it, False when it already existed."""
-        try:
-            self._call(
-                self.client.submit_job,
-                entrypoint=entrypoint,
-                submission_id=sid,
-                runtime_env=self.runtime_env(env_vars),
-                entrypoint_num_cpus=self.entrypoint_num_cpus,
-                metadata=metadata,
-            )
-            return True
-        except RuntimeError as exc:
-            if isinstance(exc, RayUnavailable):
-                raise
-            if "already exists" in str(exc):
-                return False
-            if _is_transient(exc):
-                raise RayUnavailable(str(exc)) from exc
-            raise
-        except OSError as exc:
-            raise RayUnavailable(str(exc)) from exc
-
-    def status(self, sid: str) -> RayStatus | None:
-        """Ray's view of one submission; None when Ray does not know it (never submitted, or lost)."""
-        try:
-            info = self._call(self.client.get_job_info, sid)
-        except RuntimeError as exc:
-            if isinstance(exc, RayUnavailable):
-                raise
-            if "does not exist" in str(exc) or "status code 404" in str(exc):
-                return None
-            raise RayUnavailable(str(exc)) from exc
-        except OSError as exc:
-            raise RayUnavailable(str(exc)) from exc
-        return RayStatus(
-            status=str(getattr(info.status, "value", info.status)),
-            message=info.message,
-            error_type=info.error_type,
-            driver_exit_code=info.driver_exit_code,
-        )
-
-    def stop(self, sid: str) -> bool:
-        try:
-            return bool(self._call(self.client.stop_job, sid))
-        except RuntimeError as exc:
-            if isinstance(exc, RayUnavailable):
-                raise
-            if "does not exist" in str(exc):
-                return False
-            raise RayUnavailable(str(exc)) from exc
-        except OSError as exc:
-            raise RayUnavailable(str(exc)) from exc
-
-    def log_tail(self, sid: str, lines: int = 30) -> list[str]:
-        try:
-            text = self._call(self.client.get_job_logs, sid)
-        except Exception:  # noqa: BLE001 - logs are best effort
-            return []
-        return text.splitlines()[-lines:]
-
-    def submissions_of(self, job_id: str) -> dict[str, str]:
-        """Every Ray submission of one memfit job (for checks: no duplicates) → status."""
-        prefix = f"memfit-{job_id}-"
-        return {
-            j.submission_id: str(getattr(j.status, "value", j.status))
-            for j in self.client.list_jobs()
-            if (j.submission_id or "").startswith(prefix)
-        }
-
-
-def _is_transient(exc: Exception) -> bool:
-    """Worth retrying: the head is down or busy (e.g. "No available agent to submit job, please try
-    again later" while its job agent starts), as opposed to a refusal of this submission."""
-    text = str(exc).lower()
-    return any(s in text for s in ("connection refused", "failed to connect", "cannot connect", "timed out",
-                                   "try again later", "no available agent", "status code 502",
-                                   "status code 503", "status code 504"))
-
-
-# --- validation ---------------------------------------------------------------------------------
-
-
-class ValidationFailed(Exception):
-    def __init__(self, code: str, message: str, param: str | None = None, details: dict | None = None):
-        super().__init__(message)
-        self.error = {"code": code, "message": message, "param": param, "details": details or {}}
-
-
-def resolve_model(spec: JobSpec, settings: Settings) -> str | None:
-    """The local model directory a job trains, or None for a preset / hub id. Raises ValidationFailed."""
-    model = spec.model
-    if model.startswith(PRESET_PREFIX):
-        name = model[len(PRESET_PREFIX):]
-        if name not in PRESETS:
-            raise ValidationFailed(
-                "model_not_found", f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}", "model"
-            )
-        return None
-    if model.startswith(("/", "./", "~")) or os.path.isabs(model):
-        path = Path(model).expanduser().resolve()
-        if not any(path == d or d in path.parents for d in settings.model_dirs):
-            raise ValidationFailed("model_not_allowed", f"{model!r} is not under MEMFIT_MODEL_DIRS", "model")
-        if not (path / "config.json").is_file():
-            raise ValidationFailed("model_not_found", f"{model!r} has no config.json", "model")
-        return str(path)
-    for directory in settings.model_dirs:  # a name under one of the model dirs
-        candidate = directory / model
-        if (candidate / "config.json").is_file():
-            return str(candidate)
-    return None  # a hub id: the worker loads it (and says so clearly when the cluster is offline)
-
-
-def memory_preflight(spec: JobSpec, settings: Settings, model_path: str | None) -> dict | None:
-    """THE MEMORY PRE-FLIGHT HOOK (issue "Memory"). Returns the plan to store on the job, or raises
-    ValidationFailed(code="insufficient_memory", …) for a job that would not fit under memory_policy=reject.
-
-    It calls ``service.memory.preflight`` — the same function job creation calls, so the two agree —
-    now with the model directory resolved; a refusal (DoesNotFit) carries an ``error`` dict.
-    """
-    from service import memory  # the pre-flight (policy included) is service.memory.preflight
-
-    try:
-        plan = memory.preflight(spec, settings, model_path=model_path).plan
-    except ValidationFailed:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the planner's refusal, whatever its class
-        error = getattr(exc, "error", None)
-        if isinstance(error, dict):
-            raise ValidationFailed(error.get("code", "does_not_fit"), error.get("message", str(exc)),
-                                   error.get("param"), error.get("details")) from exc
-        code = getattr(exc, "code", None) or "does_not_fit"
-        raise ValidationFailed(code, str(exc), getattr(exc, "param", None),
-                               {"errors": getattr(exc, "errors", None)} if getattr(exc, "errors", None) else None) from exc
-    if plan is None:
-        return None
-    if hasattr(plan, "model_dump"):
-        plan = plan.model_dump(mode="json")
-    return plan
-
-
-def validate_job(session: Session, job: Job, settings: Settings) -> tuple[JobSpec, dict | None]:
-    """The validating_files stage. Returns (spec, plan); raises ValidationFailed naming file/line/field."""
-    from service.datafmt import DataError, validate_jsonl
-
-    try:
-        spec = JobSpec.model_validate(job.spec)
-    except Exception as exc:  # noqa: BLE001 - a stored spec that no longer parses
-        raise ValidationFailed("invalid_spec", str(exc)) from exc
-    for param, file_id in (("training_file", spec.training_file), ("validation_file", spec.validation_file)):
-        if file_id is None:
-            continue
-        row = session.get(File, file_id)
-        if row is None or row.tenant_id != job.tenant_id:
-            raise ValidationFailed("file_not_found", f"no file {file_id!r}", param)
-        if not Path(row.path).is_file():
-            raise ValidationFailed("file_missing", f"the content of {file_id!r} is missing from storage", param)
-        try:
-            validate_jsonl(row.path)
-        except DataError as exc:
-            raise ValidationFailed("invalid_file", f"{row.filename}: {exc}", param,
-                                   {"file_id": file_id, "line": exc.line}) from exc
-    model_path = resolve_model(spec, settings)
-    plan = memory_preflight(spec, settings, model_path)
-    return spec, plan
 
 
 # --- the scheduler ------------------------------------------------------------------------------
@@ -741,12 +460,12 @@ class Scheduler:
         self._watch.pop(job_id, None)
 
     def _replay_spool(self, job_id: str, attempt: int) -> str | None:
-        """Store what the attempt's spool holds past its delivered offset, through service.ingest —
+        """Store what the attempt's spool holds past its delivered offset, through service.jobs.ingest —
         the API's own storage code, so the fencing is the same (records of another attempt, or for a
         job that no longer accepts records, are refused) and nothing is stored twice. Call it only
         once the run has ended (its sink no longer delivers). Returns the job's status afterwards
         (None when the job is gone)."""
-        from service import ingest  # service.ingest imports this module
+        from service.jobs import ingest  # service.jobs.ingest imports this module
 
         path = spool_path(self.settings, job_id, attempt)
         offset = spool.delivered_offset(path)

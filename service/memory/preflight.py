@@ -1,6 +1,6 @@
 """Memory truth on the service side: the plan a job is submitted with, the pre-flight policy, and
 predicted against measured once the job runs (issue 5, items 3–5). The arithmetic is the planner's
-(service/planner.py); this module decides *which* model shape and *which* capacity a job is planned
+(service/memory/planner.py); this module decides *which* model shape and *which* capacity a job is planned
 against, what the memory policy does with the answer, and how the answer is compared with what the
 workers measure.
 
@@ -31,14 +31,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from service.errors import UnprocessableEntity
+from service.domain.errors import UnprocessableEntity
+from service.domain.spec import (
+    JobSpec,
+    MemoryPolicy,
+    SpecError,
+    check_rules,
+    validate_spec,
+)
+from service.memory.compare import initial_summary
 from service.settings import Settings
-from service.spec import JobSpec, MemoryPolicy, SpecError, check_rules, validate_spec
 
-STEADY_STATE_STEP = 3  # the planner predicts a steady-state step: the optimizer states exist from step 2
-COMPARED = ("parameters", "gradients", "optimizer_states", "activations", "temporary", "total")
 MAX_SUGGESTIONS = 6
 PLAN_TRAINING_FILE = "file-plan-only"  # what POST /v1/memory/plan puts in a body without training_file
 
@@ -63,7 +68,7 @@ class DoesNotFit(UnprocessableEntity):
         self.plan = plan
         # RFC 9457 extension members (api/errors.py adds them to the problem body).
         self.extensions = {"breakdown": plan["per_rank"], "suggestions": plan.get("suggestions") or [], "plan": plan}
-        # The scheduler's hook (service/scheduler.py memory_preflight) reads this shape.
+        # The scheduler's hook (service/scheduler/validate.py: memory_preflight) reads this shape.
         self.error = {"code": self.code, "message": message, "param": "training",
                       "details": {"breakdown": plan["per_rank"], "suggestions": plan.get("suggestions") or [],
                                   "plan": plan}}
@@ -78,14 +83,19 @@ def _gib(n: int | None) -> str:
 
 @dataclass(frozen=True)
 class ResolvedShape:
-    shape: Any  # service.modelshape.ModelShape
+    shape: Any  # service.memory.shape.ModelShape
     source: str  # preset | local | hub
 
 
 def resolve_shape(spec: JobSpec, settings: Settings, model_path: str | None = None) -> ResolvedShape:
     """The shape of ``spec.model``; raises UnknownModelShape saying why when the planner cannot read it."""
-    from service.modelshape import KNOWN_CONFIGS, UnsupportedModel, shape_from_config, shape_from_path
-    from service.presets import PRESETS, preset_config, preset_name
+    from service.domain.presets import PRESETS, preset_config, preset_name
+    from service.memory.shape import (
+        KNOWN_CONFIGS,
+        UnsupportedModel,
+        shape_from_config,
+        shape_from_path,
+    )
 
     model = spec.model
     name = preset_name(model)
@@ -129,8 +139,8 @@ def _gpu_for(spec: JobSpec, gpu: str | None) -> str | None:
 
 def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | None = None):
     """(plan dict, suggestions as planner objects). Raises UnknownModelShape, UnknownGPU."""
-    from service import planner
-    from service.gpus import get_gpu
+    from service.memory import planner
+    from service.memory.gpus import get_gpu
 
     resolved = resolve_shape(spec, settings, model_path)
     gpu = _gpu_for(spec, gpu)
@@ -197,8 +207,8 @@ def plan_request(body: Any, settings: Settings, *, gpu: str | None = None,
                  known_gpus: set[str] | None = None) -> dict[str, Any]:
     """``POST /v1/memory/plan``: a create body (``training_file`` optional) → the plan. Raises
     SpecInvalid naming each bad field, UnprocessableEntity for an unknown GPU or model shape."""
-    from service.errors import BadRequest, SpecInvalid
-    from service.gpus import UnknownGPU
+    from service.domain.errors import BadRequest, SpecInvalid
+    from service.memory.gpus import UnknownGPU
 
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object", code="invalid_json")
@@ -228,8 +238,8 @@ class PreflightOutcome:
 
 def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = None) -> PreflightOutcome:
     """Apply ``training.memory_policy`` to the plan of ``spec`` (see the module docstring)."""
-    from service.errors import SpecInvalid
-    from service.gpus import UnknownGPU
+    from service.domain.errors import SpecInvalid
+    from service.memory.gpus import UnknownGPU
 
     try:
         plan, options = _plan(spec, settings, None, model_path)
@@ -268,7 +278,7 @@ def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = Non
 
 def record_preflight(session, job, outcome: PreflightOutcome) -> None:
     """Store the pre-flight on a new job (its plan, the memory summary) and its events."""
-    from service.jobs import add_event
+    from service.jobs.crud import add_event
 
     job.plan = outcome.plan
     job.memory_summary = initial_summary(outcome.plan)
@@ -277,216 +287,3 @@ def record_preflight(session, job, outcome: PreflightOutcome) -> None:
         add_event(session, job.id, e["message"], level=e.get("level", "info"), data=e.get("data"), attempt=0)
 
 
-# --- predicted vs measured ----------------------------------------------------------------------
-
-
-def predicted_categories(plan: dict[str, Any] | None) -> dict[str, int] | None:
-    """The plan in the measured categories (module docstring): model states at full size on the rank,
-    activations, the peak of live tensors (minus the GPU overhead) and the rest as temporary."""
-    if not plan or "per_rank" not in plan:
-        return None
-    d, h = plan["per_rank"]["device"], plan["per_rank"]["host"]
-    states = plan.get("model_states") or {}
-    out = {}
-    for c in ("parameters", "gradients", "optimizer_states"):
-        if states:
-            out[c] = int(states["device"][c] + states["host"][c])
-        else:
-            out[c] = int(d[c] + h[c])
-    out["activations"] = int(d["activations"] + h["activations"])
-    out["total"] = int(plan["peak_bytes"] - (d.get("overhead", 0) if plan.get("gpu") else 0))
-    out["temporary"] = max(0, out["total"] - sum(out[c] for c in ("parameters", "gradients", "optimizer_states",
-                                                                   "activations")))
-    return {c: out[c] for c in COMPARED}
-
-
-def _measured(s: Any) -> dict[str, int | None]:
-    """One sample (a MemorySample row or MemoryRecord) in the compared categories."""
-    g = lambda k: getattr(s, k, None)  # noqa: E731
-
-    def add(*keys):
-        vals = [g(k) for k in keys]
-        return None if all(v is None for v in vals) else int(sum(v or 0 for v in vals))
-
-    return {
-        "parameters": add("parameters_bytes", "host_parameters_bytes"),
-        "gradients": add("gradients_bytes", "host_gradients_bytes"),
-        "optimizer_states": add("optimizer_bytes", "host_optimizer_bytes"),
-        "activations": g("activations_bytes"),
-        "temporary": add("temporary_bytes", "other_bytes") if g("peak_bytes") is not None else None,
-        "total": g("peak_bytes"),
-    }
-
-
-def _steady(samples: list[Any]) -> list[Any]:
-    """The latest attempt's samples, steady-state steps (≥ 3) when there are any."""
-    if not samples:
-        return []
-    attempt = max(s.attempt for s in samples)
-    latest = [s for s in samples if s.attempt == attempt]
-    return [s for s in latest if s.step >= STEADY_STATE_STEP] or latest
-
-
-def measured_peaks(samples: Iterable[Any]) -> dict[int, dict[str, int | None]]:
-    """Per rank, the highest measured bytes of each category over the steady-state steps."""
-    out: dict[int, dict[str, int | None]] = {}
-    for s in _steady(list(samples)):
-        row = out.setdefault(s.rank, {c: None for c in COMPARED})
-        for c, v in _measured(s).items():
-            if v is not None and (row[c] is None or v > row[c]):
-                row[c] = v
-    return out
-
-
-def signed_error(predicted: int | None, measured: int | None) -> float | None:
-    if predicted is None or not measured:
-        return None
-    return (predicted - measured) / measured
-
-
-def job_memory_view(job, samples: list[Any]) -> dict[str, Any]:
-    """``GET /v1/fine_tuning/jobs/{id}/memory``: the plan, the samples per rank over steps, the peak per
-    category per rank and each predicted category's signed error."""
-    predicted = predicted_categories(job.plan)
-    peaks = measured_peaks(samples)
-    attempt = max((s.attempt for s in samples), default=job.attempt)
-    by_rank: dict[str, list[dict[str, Any]]] = {}
-    for s in sorted(samples, key=lambda s: (s.attempt, s.rank, s.step, s.phase)):
-        if s.attempt != attempt:
-            continue
-        by_rank.setdefault(str(s.rank), []).append({
-            "step": s.step, "phase": s.phase, "source": s.source,
-            **{f"{c}_bytes": v for c, v in _measured(s).items() if c != "total"},
-            "peak_bytes": s.peak_bytes,
-            "host_parameters_bytes": s.host_parameters_bytes, "host_gradients_bytes": s.host_gradients_bytes,
-            "host_optimizer_bytes": s.host_optimizer_bytes, "process_rss_bytes": s.process_rss_bytes,
-            "device": s.device or None,
-        })
-    errors = {str(r): {c: signed_error((predicted or {}).get(c), m[c]) for c in COMPARED} for r, m in peaks.items()}
-    rows = {str(r): [{"category": c, "predicted_bytes": (predicted or {}).get(c), "measured_bytes": m[c],
-                      "error": errors[str(r)][c]} for c in COMPARED] for r, m in sorted(peaks.items())}
-    return {
-        "object": "fine_tuning.job.memory",
-        "job_id": job.id,
-        "status": job.status,
-        "attempt": attempt,
-        "has_plan": predicted is not None,
-        "plan": job.plan,
-        "predicted": predicted,
-        "steady_state_from_step": STEADY_STATE_STEP,
-        "samples": by_rank,
-        "measured_peaks": {str(r): m for r, m in sorted(peaks.items())},
-        "errors": errors,
-        "per_rank": rows,
-        "summary": job.memory_summary or initial_summary(job.plan),
-        "error_definition": "(predicted - measured) / measured; negative = under-predicted",
-    }
-
-
-def get_job_memory(session, principal, job_id: str) -> dict[str, Any]:
-    """The tenant's job's memory view (JobNotFound for another tenant's id)."""
-    from service.jobs import get_job, list_memory_samples
-
-    job = get_job(session, principal, job_id)
-    return job_memory_view(job, list_memory_samples(session, job_id))
-
-
-def initial_summary(plan: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The short ``memory`` object on a job before anything is measured."""
-    if plan is None:
-        return None
-    predicted = predicted_categories(plan)
-    return {
-        "fits": plan["fits"],
-        "gpu": plan.get("gpu"),
-        "predicted_peak_bytes": plan["peak_bytes"],
-        "predicted_live_peak_bytes": predicted["total"] if predicted else None,
-        "capacity_bytes": plan.get("capacity_bytes"),
-        "usable_bytes": plan.get("usable_bytes"),
-        "measured_peak_bytes": None,
-        "measured_rank": None,
-        "measured_step": None,
-        "measured_attempt": None,
-        "error": None,
-    }
-
-
-def summary_fields(job, records: Iterable[Any]) -> dict[str, Any]:
-    """``{"memory_summary": …}`` updated with newly ingested samples (steady-state peaks win over
-    earlier steps; a newer attempt starts over), or ``{}`` when nothing changes. For ingest."""
-    current = dict(job.memory_summary or initial_summary(job.plan) or {
-        "fits": None, "gpu": None, "predicted_peak_bytes": None, "predicted_live_peak_bytes": None,
-        "capacity_bytes": None, "usable_bytes": None, "measured_peak_bytes": None, "measured_rank": None,
-        "measured_step": None, "measured_attempt": None, "error": None})
-    changed = False
-
-    def key(attempt, step, peak):  # later attempt, then steady state, then the higher peak
-        return (attempt, step >= STEADY_STATE_STEP, peak)
-
-    for r in records:
-        if r.peak_bytes is None:
-            continue
-        new = key(r.attempt, r.step, r.peak_bytes)
-        if current.get("measured_peak_bytes") is not None:
-            old = key(current["measured_attempt"], current["measured_step"], current["measured_peak_bytes"])
-            if new <= old:
-                continue
-        current.update(measured_peak_bytes=int(r.peak_bytes), measured_rank=r.rank, measured_step=r.step,
-                       measured_attempt=r.attempt)
-        changed = True
-    if not changed:
-        return {}
-    current["error"] = signed_error(current.get("predicted_live_peak_bytes"), current["measured_peak_bytes"])
-    return {"memory_summary": current}
-
-
-# --- out of memory ------------------------------------------------------------------------------
-
-
-def oom_error(job, error: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    """Complete a worker's out_of_memory error: the dominant category, the breakdown at failure, the
-    prediction, and the planner's suggestions (the job's own when its plan had them, else the single
-    changes that lower the predicted peak the most)."""
-    details = dict(error.get("details") or {})
-    details.pop("plan", None)  # the job's plan is on the job (and in GET …/memory); keep the error short
-    if job.plan is not None:
-        details["predicted"] = {"per_rank": job.plan.get("per_rank"), "peak_bytes": job.plan.get("peak_bytes"),
-                                "fits": job.plan.get("fits"), "capacity_bytes": job.plan.get("capacity_bytes")}
-    suggestions = list((job.plan or {}).get("suggestions") or [])
-    if not suggestions:
-        try:
-            suggestions = _reductions(JobSpec.model_validate(job.spec), settings)
-        except Exception:  # noqa: BLE001 - a post-mortem without suggestions beats a lost failure
-            suggestions = []
-    details["suggestions"] = suggestions
-    cats = details.get("categories_bytes") or {}
-    dominant = details.get("dominant_category") or (max(cats, key=lambda k: cats[k]) if cats else None)
-    details["dominant_category"] = dominant
-    message = error.get("message") or "out of memory"
-    if dominant and cats.get(dominant) is not None:
-        message = (f"{message} — largest category: {dominant} ({_gib(cats[dominant])}); "
-                   f"{len(suggestions)} suggested change(s) in error.details.suggestions")
-    return {**error, "message": message[:8000], "details": details}
-
-
-def _reductions(spec: JobSpec, settings: Settings) -> list[dict[str, Any]]:
-    """Single changes ranked by how much they lower the predicted peak (cheapest first among equals)."""
-    from service import planner
-
-    resolved = resolve_shape(spec, settings)
-    gpu = _gpu_for(spec, None)
-    margin = settings.memory_safety_margin
-    base = planner.plan(spec, resolved.shape, gpu, safety_margin=margin)
-    out = []
-    for name, desc, cost, patch in planner._candidates(spec, gpu):  # noqa: SLF001 - the planner's change list
-        try:
-            s2 = planner._patched(spec, patch)  # noqa: SLF001
-            if check_rules(s2):
-                continue
-            p = planner.plan(s2, resolved.shape, gpu, safety_margin=margin)
-        except Exception:  # noqa: BLE001 - a change the spec rules refuse is not offered
-            continue
-        if p.peak_bytes < base.peak_bytes:
-            out.append(planner.Suggestion(name, desc, cost, p, s2))
-    out.sort(key=lambda x: (x.plan.peak_bytes, x.cost))
-    return [_suggestion_dict(i + 1, spec, x) for i, x in enumerate(out[:MAX_SUGGESTIONS])]

@@ -1,11 +1,11 @@
 """The delivery spool: a run's records as JSON lines on disk, and how far the API has stored them.
 
-A run's records (service.records dicts) are appended to ``metrics-attempt-N.jsonl`` in the job's
+A run's records (service.domain.records dicts) are appended to ``metrics-attempt-N.jsonl`` in the job's
 storage *before* anyone tries to deliver them, so the file is the buffer: nothing is held only in
 memory and nothing is dropped for space. Beside it, ``metrics-attempt-N.jsonl.delivered`` holds a
 byte offset: every line before it has been stored by the API. Two readers deliver from that offset
 through the same ingest code — the worker's HTTP sink (workers/sink_http.py) while the run is alive,
-and the scheduler (service/scheduler.py) when the run has ended with lines still undelivered.
+and the scheduler (service/scheduler/loop.py) when the run has ended with lines still undelivered.
 
 Delivery is at least once: a reader may resend a line whose answer it lost, or two readers may send
 the same line. The store is idempotent by each record's dedupe key, and an event record that carries

@@ -20,11 +20,11 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service import artifacts
-from service.auth import Principal
-from service.jobs import get_job, list_jobs
-from service.models import Checkpoint, Job, JobEvent, MemorySample
+from service.jobs import artifacts
+from service.jobs.crud import get_job, list_jobs
 from service.settings import Settings
+from service.store.auth import Principal
+from service.store.models import Checkpoint, Job, JobEvent, MemorySample
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "other")
 CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states",
@@ -134,8 +134,8 @@ def _plan_now(spec_json: str, settings: Settings) -> dict | None:
     if spec_json in _PLANS:
         return _PLANS[spec_json]
     try:
-        from service.memory import plan_for_spec
-        from service.spec import JobSpec
+        from service.domain.spec import JobSpec
+        from service.memory.preflight import plan_for_spec
 
         plan = plan_for_spec(JobSpec.model_validate_json(spec_json), settings)
     except Exception:  # noqa: BLE001 - no planner, or a model whose shape it cannot read: no prediction
@@ -165,7 +165,7 @@ def capacity_for(job: Job, spec_training: dict) -> tuple[int | None, str | None]
     res = spec_training.get("resources") or {}
     if res.get("gpu_type"):
         try:
-            from service.gpus import get_gpu
+            from service.memory.gpus import get_gpu
 
             gpu = get_gpu(res["gpu_type"])
             return gpu.capacity_bytes, f"{gpu.display} capacity"
@@ -209,8 +209,8 @@ def compare_job(session: Session, job: Job, plan: dict | None) -> dict[str, Any]
     same numbers as GET /v1/fine_tuning/jobs/{id}/memory), for ``plan`` when the job stored none."""
     from types import SimpleNamespace
 
-    from service.jobs import list_memory_samples
-    from service.memory import job_memory_view
+    from service.jobs.crud import list_memory_samples
+    from service.memory.compare import job_memory_view
 
     view_job = job if plan is job.plan else SimpleNamespace(
         id=job.id, status=job.status, attempt=job.attempt, plan=plan, memory_summary=job.memory_summary)
@@ -224,7 +224,7 @@ def compare_job(session: Session, job: Job, plan: dict | None) -> dict[str, Any]
 # --- files --------------------------------------------------------------------------------------
 
 
-# What of the output folder a tenant may see is service.artifacts' allowlist, in one place.
+# What of the output folder a tenant may see is service.jobs.artifacts' allowlist, in one place.
 output_root = artifacts.output_root
 list_output_files = artifacts.list_artifacts
 output_file = artifacts.artifact_file

@@ -1,0 +1,184 @@
+"""Predicted against measured: the plan in the categories the telemetry measures, the steady-state
+peaks per rank, the signed errors (GET /v1/fine_tuning/jobs/{id}/memory) and the short memory summary
+kept on the job as samples arrive.
+
+Predicted and measured are compared in the categories the telemetry can measure, the way
+bench/memory_accuracy.py does: parameters, gradients and optimizer states at their full size on the
+rank (device + host), activations (saved for backward), temporary (the rest of the peak) and the
+total — the peak of live tensor bytes. On a GPU the plan's ``overhead`` (CUDA context, NCCL buffers,
+allocator rounding) is outside what the allocator's tensors show, so the predicted total compared with
+the measured peak is the plan's peak minus its overhead. Errors are signed: (predicted − measured) /
+measured, negative when the planner under-predicts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+STEADY_STATE_STEP = 3  # the planner predicts a steady-state step: the optimizer states exist from step 2
+COMPARED = ("parameters", "gradients", "optimizer_states", "activations", "temporary", "total")
+
+
+# --- predicted vs measured ----------------------------------------------------------------------
+
+
+def predicted_categories(plan: dict[str, Any] | None) -> dict[str, int] | None:
+    """The plan in the measured categories (module docstring): model states at full size on the rank,
+    activations, the peak of live tensors (minus the GPU overhead) and the rest as temporary."""
+    if not plan or "per_rank" not in plan:
+        return None
+    d, h = plan["per_rank"]["device"], plan["per_rank"]["host"]
+    states = plan.get("model_states") or {}
+    out = {}
+    for c in ("parameters", "gradients", "optimizer_states"):
+        if states:
+            out[c] = int(states["device"][c] + states["host"][c])
+        else:
+            out[c] = int(d[c] + h[c])
+    out["activations"] = int(d["activations"] + h["activations"])
+    out["total"] = int(plan["peak_bytes"] - (d.get("overhead", 0) if plan.get("gpu") else 0))
+    out["temporary"] = max(0, out["total"] - sum(out[c] for c in ("parameters", "gradients", "optimizer_states",
+                                                                   "activations")))
+    return {c: out[c] for c in COMPARED}
+
+
+def _measured(s: Any) -> dict[str, int | None]:
+    """One sample (a MemorySample row or MemoryRecord) in the compared categories."""
+    g = lambda k: getattr(s, k, None)  # noqa: E731
+
+    def add(*keys):
+        vals = [g(k) for k in keys]
+        return None if all(v is None for v in vals) else int(sum(v or 0 for v in vals))
+
+    return {
+        "parameters": add("parameters_bytes", "host_parameters_bytes"),
+        "gradients": add("gradients_bytes", "host_gradients_bytes"),
+        "optimizer_states": add("optimizer_bytes", "host_optimizer_bytes"),
+        "activations": g("activations_bytes"),
+        "temporary": add("temporary_bytes", "other_bytes") if g("peak_bytes") is not None else None,
+        "total": g("peak_bytes"),
+    }
+
+
+def _steady(samples: list[Any]) -> list[Any]:
+    """The latest attempt's samples, steady-state steps (≥ 3) when there are any."""
+    if not samples:
+        return []
+    attempt = max(s.attempt for s in samples)
+    latest = [s for s in samples if s.attempt == attempt]
+    return [s for s in latest if s.step >= STEADY_STATE_STEP] or latest
+
+
+def measured_peaks(samples: Iterable[Any]) -> dict[int, dict[str, int | None]]:
+    """Per rank, the highest measured bytes of each category over the steady-state steps."""
+    out: dict[int, dict[str, int | None]] = {}
+    for s in _steady(list(samples)):
+        row = out.setdefault(s.rank, {c: None for c in COMPARED})
+        for c, v in _measured(s).items():
+            if v is not None and (row[c] is None or v > row[c]):
+                row[c] = v
+    return out
+
+
+def signed_error(predicted: int | None, measured: int | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def job_memory_view(job, samples: list[Any]) -> dict[str, Any]:
+    """``GET /v1/fine_tuning/jobs/{id}/memory``: the plan, the samples per rank over steps, the peak per
+    category per rank and each predicted category's signed error."""
+    predicted = predicted_categories(job.plan)
+    peaks = measured_peaks(samples)
+    attempt = max((s.attempt for s in samples), default=job.attempt)
+    by_rank: dict[str, list[dict[str, Any]]] = {}
+    for s in sorted(samples, key=lambda s: (s.attempt, s.rank, s.step, s.phase)):
+        if s.attempt != attempt:
+            continue
+        by_rank.setdefault(str(s.rank), []).append({
+            "step": s.step, "phase": s.phase, "source": s.source,
+            **{f"{c}_bytes": v for c, v in _measured(s).items() if c != "total"},
+            "peak_bytes": s.peak_bytes,
+            "host_parameters_bytes": s.host_parameters_bytes, "host_gradients_bytes": s.host_gradients_bytes,
+            "host_optimizer_bytes": s.host_optimizer_bytes, "process_rss_bytes": s.process_rss_bytes,
+            "device": s.device or None,
+        })
+    errors = {str(r): {c: signed_error((predicted or {}).get(c), m[c]) for c in COMPARED} for r, m in peaks.items()}
+    rows = {str(r): [{"category": c, "predicted_bytes": (predicted or {}).get(c), "measured_bytes": m[c],
+                      "error": errors[str(r)][c]} for c in COMPARED] for r, m in sorted(peaks.items())}
+    return {
+        "object": "fine_tuning.job.memory",
+        "job_id": job.id,
+        "status": job.status,
+        "attempt": attempt,
+        "has_plan": predicted is not None,
+        "plan": job.plan,
+        "predicted": predicted,
+        "steady_state_from_step": STEADY_STATE_STEP,
+        "samples": by_rank,
+        "measured_peaks": {str(r): m for r, m in sorted(peaks.items())},
+        "errors": errors,
+        "per_rank": rows,
+        "summary": job.memory_summary or initial_summary(job.plan),
+        "error_definition": "(predicted - measured) / measured; negative = under-predicted",
+    }
+
+
+def get_job_memory(session, principal, job_id: str) -> dict[str, Any]:
+    """The tenant's job's memory view (JobNotFound for another tenant's id)."""
+    from service.jobs.crud import get_job, list_memory_samples
+
+    job = get_job(session, principal, job_id)
+    return job_memory_view(job, list_memory_samples(session, job_id))
+
+
+def initial_summary(plan: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The short ``memory`` object on a job before anything is measured."""
+    if plan is None:
+        return None
+    predicted = predicted_categories(plan)
+    return {
+        "fits": plan["fits"],
+        "gpu": plan.get("gpu"),
+        "predicted_peak_bytes": plan["peak_bytes"],
+        "predicted_live_peak_bytes": predicted["total"] if predicted else None,
+        "capacity_bytes": plan.get("capacity_bytes"),
+        "usable_bytes": plan.get("usable_bytes"),
+        "measured_peak_bytes": None,
+        "measured_rank": None,
+        "measured_step": None,
+        "measured_attempt": None,
+        "error": None,
+    }
+
+
+def summary_fields(job, records: Iterable[Any]) -> dict[str, Any]:
+    """``{"memory_summary": …}`` updated with newly ingested samples (steady-state peaks win over
+    earlier steps; a newer attempt starts over), or ``{}`` when nothing changes. For ingest."""
+    current = dict(job.memory_summary or initial_summary(job.plan) or {
+        "fits": None, "gpu": None, "predicted_peak_bytes": None, "predicted_live_peak_bytes": None,
+        "capacity_bytes": None, "usable_bytes": None, "measured_peak_bytes": None, "measured_rank": None,
+        "measured_step": None, "measured_attempt": None, "error": None})
+    changed = False
+
+    def key(attempt, step, peak):  # later attempt, then steady state, then the higher peak
+        return (attempt, step >= STEADY_STATE_STEP, peak)
+
+    for r in records:
+        if r.peak_bytes is None:
+            continue
+        new = key(r.attempt, r.step, r.peak_bytes)
+        if current.get("measured_peak_bytes") is not None:
+            old = key(current["measured_attempt"], current["measured_step"], current["measured_peak_bytes"])
+            if new <= old:
+                continue
+        current.update(measured_peak_bytes=int(r.peak_bytes), measured_rank=r.rank, measured_step=r.step,
+                       measured_attempt=r.attempt)
+        changed = True
+    if not changed:
+        return {}
+    current["error"] = signed_error(current.get("predicted_live_peak_bytes"), current["measured_peak_bytes"])
+    return {"memory_summary": current}
+
+

@@ -1,0 +1,68 @@
+"""An out-of-memory failure completed with where the memory went: the dominant category, the
+breakdown at failure, the prediction, and the planner's suggestions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.domain.spec import (
+    JobSpec,
+    check_rules,
+)
+from service.memory.preflight import (
+    MAX_SUGGESTIONS,
+    _gib,
+    _gpu_for,
+    _suggestion_dict,
+    resolve_shape,
+)
+from service.settings import Settings
+
+
+def oom_error(job, error: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """Complete a worker's out_of_memory error: the dominant category, the breakdown at failure, the
+    prediction, and the planner's suggestions (the job's own when its plan had them, else the single
+    changes that lower the predicted peak the most)."""
+    details = dict(error.get("details") or {})
+    details.pop("plan", None)  # the job's plan is on the job (and in GET …/memory); keep the error short
+    if job.plan is not None:
+        details["predicted"] = {"per_rank": job.plan.get("per_rank"), "peak_bytes": job.plan.get("peak_bytes"),
+                                "fits": job.plan.get("fits"), "capacity_bytes": job.plan.get("capacity_bytes")}
+    suggestions = list((job.plan or {}).get("suggestions") or [])
+    if not suggestions:
+        try:
+            suggestions = _reductions(JobSpec.model_validate(job.spec), settings)
+        except Exception:  # noqa: BLE001 - a post-mortem without suggestions beats a lost failure
+            suggestions = []
+    details["suggestions"] = suggestions
+    cats = details.get("categories_bytes") or {}
+    dominant = details.get("dominant_category") or (max(cats, key=lambda k: cats[k]) if cats else None)
+    details["dominant_category"] = dominant
+    message = error.get("message") or "out of memory"
+    if dominant and cats.get(dominant) is not None:
+        message = (f"{message} — largest category: {dominant} ({_gib(cats[dominant])}); "
+                   f"{len(suggestions)} suggested change(s) in error.details.suggestions")
+    return {**error, "message": message[:8000], "details": details}
+
+
+def _reductions(spec: JobSpec, settings: Settings) -> list[dict[str, Any]]:
+    """Single changes ranked by how much they lower the predicted peak (cheapest first among equals)."""
+    from service.memory import planner
+
+    resolved = resolve_shape(spec, settings)
+    gpu = _gpu_for(spec, None)
+    margin = settings.memory_safety_margin
+    base = planner.plan(spec, resolved.shape, gpu, safety_margin=margin)
+    out = []
+    for name, desc, cost, patch in planner._candidates(spec, gpu):  # noqa: SLF001 - the planner's change list
+        try:
+            s2 = planner._patched(spec, patch)  # noqa: SLF001
+            if check_rules(s2):
+                continue
+            p = planner.plan(s2, resolved.shape, gpu, safety_margin=margin)
+        except Exception:  # noqa: BLE001 - a change the spec rules refuse is not offered
+            continue
+        if p.peak_bytes < base.peak_bytes:
+            out.append(planner.Suggestion(name, desc, cost, p, s2))
+    out.sort(key=lambda x: (x.plan.peak_bytes, x.cost))
+    return [_suggestion_dict(i + 1, spec, x) for i, x in enumerate(out[:MAX_SUGGESTIONS])]

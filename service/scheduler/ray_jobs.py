@@ -1,0 +1,183 @@
+"""The Ray Jobs API client the scheduler submits, polls and stops attempts through (retrying transient
+failures, refusing none silently)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+log = logging.getLogger("memfit.scheduler")
+
+RAY_ACTIVE = frozenset({"PENDING", "RUNNING"})
+RAY_TERMINAL = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
+
+
+# --- the Ray side -------------------------------------------------------------------------------
+
+
+@dataclass
+class RayStatus:
+    status: str  # PENDING | RUNNING | STOPPED | SUCCEEDED | FAILED
+    message: str | None = None
+    error_type: str | None = None
+    driver_exit_code: int | None = None
+
+
+class RayUnavailable(RuntimeError):
+    """The Jobs API did not answer (head down or restarting): try again next tick, change nothing."""
+
+
+class RayJobs:
+    """A thin client of the Ray Jobs API (``ray[default]``); ray is imported only when used."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        auth_mode: str = "disabled",
+        python: str | None = None,
+        ship_code: bool | None = None,
+        entrypoint_num_cpus: float = 0.1,
+    ) -> None:
+        if "://" not in address:
+            address = "http://" + address
+        self.address = address.rstrip("/")
+        self.auth_mode = auth_mode
+        host = urlparse(self.address).hostname or ""
+        loopback = host in ("127.0.0.1", "localhost", "::1") or host == socket.gethostname()
+        self.python = python or os.environ.get("MEMFIT_RAY_PYTHON") or (sys.executable if loopback else "python")
+        if ship_code is None:
+            ship_code = os.environ.get("MEMFIT_RAY_SHIP_CODE", "1") not in ("0", "false", "no")
+        self.ship_code = ship_code
+        self.entrypoint_num_cpus = entrypoint_num_cpus
+        self._client = None
+        self._lock = threading.Lock()
+        # The Jobs API client has no request timeout: each call runs in a small pool and is given up
+        # after call_timeout_s (the loop must not hang on a stuck head; a late answer is harmless —
+        # submissions are create-once by id and every other call is a read or an idempotent stop).
+        self.call_timeout_s = float(os.environ.get("MEMFIT_RAY_CALL_TIMEOUT_S", "60"))
+        self._pool = None
+
+    def _call(self, fn, *args, **kwargs):
+        import concurrent.futures
+
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="memfit-ray")
+        future = self._pool.submit(fn, *args, **kwargs)
+        try:
+            return future.result(timeout=self.call_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise RayUnavailable(f"the Ray Jobs API at {self.address} did not answer within "
+                                 f"{self.call_timeout_s:.0f} s") from None
+
+    @property
+    def client(self):
+        with self._lock:
+            if self._client is None:
+                os.environ.setdefault("RAY_AUTH_MODE", self.auth_mode)
+                from ray.job_submission import JobSubmissionClient
+
+                try:
+                    self._client = JobSubmissionClient(self.address)
+                except Exception as exc:  # noqa: BLE001 - connection refused, timeouts …
+                    raise RayUnavailable(f"Ray Jobs API at {self.address}: {exc}") from exc
+            return self._client
+
+    def runtime_env(self, env_vars: dict[str, str]) -> dict[str, Any]:
+        env: dict[str, Any] = {"env_vars": env_vars}
+        if self.ship_code:
+            import service
+            import workers
+
+            env["py_modules"] = [str(Path(service.__file__).parent), str(Path(workers.__file__).parent)]
+            env["excludes"] = ["__pycache__", "*.pyc"]
+        return env
+
+    def submit(self, sid: str, entrypoint: str, env_vars: dict[str, str], metadata: dict[str, str]) -> bool:
+        """Submit once. Returns True when this call created it, False when it already existed."""
+        try:
+            self._call(
+                self.client.submit_job,
+                entrypoint=entrypoint,
+                submission_id=sid,
+                runtime_env=self.runtime_env(env_vars),
+                entrypoint_num_cpus=self.entrypoint_num_cpus,
+                metadata=metadata,
+            )
+            return True
+        except RuntimeError as exc:
+            if isinstance(exc, RayUnavailable):
+                raise
+            if "already exists" in str(exc):
+                return False
+            if _is_transient(exc):
+                raise RayUnavailable(str(exc)) from exc
+            raise
+        except OSError as exc:
+            raise RayUnavailable(str(exc)) from exc
+
+    def status(self, sid: str) -> RayStatus | None:
+        """Ray's view of one submission; None when Ray does not know it (never submitted, or lost)."""
+        try:
+            info = self._call(self.client.get_job_info, sid)
+        except RuntimeError as exc:
+            if isinstance(exc, RayUnavailable):
+                raise
+            if "does not exist" in str(exc) or "status code 404" in str(exc):
+                return None
+            raise RayUnavailable(str(exc)) from exc
+        except OSError as exc:
+            raise RayUnavailable(str(exc)) from exc
+        return RayStatus(
+            status=str(getattr(info.status, "value", info.status)),
+            message=info.message,
+            error_type=info.error_type,
+            driver_exit_code=info.driver_exit_code,
+        )
+
+    def stop(self, sid: str) -> bool:
+        try:
+            return bool(self._call(self.client.stop_job, sid))
+        except RuntimeError as exc:
+            if isinstance(exc, RayUnavailable):
+                raise
+            if "does not exist" in str(exc):
+                return False
+            raise RayUnavailable(str(exc)) from exc
+        except OSError as exc:
+            raise RayUnavailable(str(exc)) from exc
+
+    def log_tail(self, sid: str, lines: int = 30) -> list[str]:
+        try:
+            text = self._call(self.client.get_job_logs, sid)
+        except Exception:  # noqa: BLE001 - logs are best effort
+            return []
+        return text.splitlines()[-lines:]
+
+    def submissions_of(self, job_id: str) -> dict[str, str]:
+        """Every Ray submission of one memfit job (for checks: no duplicates) → status."""
+        prefix = f"memfit-{job_id}-"
+        return {
+            j.submission_id: str(getattr(j.status, "value", j.status))
+            for j in self.client.list_jobs()
+            if (j.submission_id or "").startswith(prefix)
+        }
+
+
+def _is_transient(exc: Exception) -> bool:
+    """Worth retrying: the head is down or busy (e.g. "No available agent to submit job, please try
+    again later" while its job agent starts), as opposed to a refusal of this submission."""
+    text = str(exc).lower()
+    return any(s in text for s in ("connection refused", "failed to connect", "cannot connect", "timed out",
+                                   "try again later", "no available agent", "status code 502",
+                                   "status code 503", "status code 504"))
+
+

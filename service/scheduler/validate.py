@@ -1,0 +1,102 @@
+"""A job in validating_files → queued or failed: its files exist and parse, its model resolves, the
+memory pre-flight passes (the same one job creation runs)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sqlalchemy.orm import Session
+
+from service.domain.presets import PRESET_PREFIX, PRESETS
+from service.domain.spec import JobSpec
+from service.settings import Settings
+from service.store.models import File, Job
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+class ValidationFailed(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None, details: dict | None = None):
+        super().__init__(message)
+        self.error = {"code": code, "message": message, "param": param, "details": details or {}}
+
+
+def resolve_model(spec: JobSpec, settings: Settings) -> str | None:
+    """The local model directory a job trains, or None for a preset / hub id. Raises ValidationFailed."""
+    model = spec.model
+    if model.startswith(PRESET_PREFIX):
+        name = model[len(PRESET_PREFIX):]
+        if name not in PRESETS:
+            raise ValidationFailed(
+                "model_not_found", f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}", "model"
+            )
+        return None
+    if model.startswith(("/", "./", "~")) or os.path.isabs(model):
+        path = Path(model).expanduser().resolve()
+        if not any(path == d or d in path.parents for d in settings.model_dirs):
+            raise ValidationFailed("model_not_allowed", f"{model!r} is not under MEMFIT_MODEL_DIRS", "model")
+        if not (path / "config.json").is_file():
+            raise ValidationFailed("model_not_found", f"{model!r} has no config.json", "model")
+        return str(path)
+    for directory in settings.model_dirs:  # a name under one of the model dirs
+        candidate = directory / model
+        if (candidate / "config.json").is_file():
+            return str(candidate)
+    return None  # a hub id: the worker loads it (and says so clearly when the cluster is offline)
+
+
+def memory_preflight(spec: JobSpec, settings: Settings, model_path: str | None) -> dict | None:
+    """THE MEMORY PRE-FLIGHT HOOK (issue "Memory"). Returns the plan to store on the job, or raises
+    ValidationFailed(code="insufficient_memory", …) for a job that would not fit under memory_policy=reject.
+
+    It calls ``service.memory.preflight.preflight`` — the same function job creation calls, so the two agree —
+    now with the model directory resolved; a refusal (DoesNotFit) carries an ``error`` dict.
+    """
+    from service.memory import preflight as memory  # the pre-flight, policy included
+
+    try:
+        plan = memory.preflight(spec, settings, model_path=model_path).plan
+    except ValidationFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the planner's refusal, whatever its class
+        error = getattr(exc, "error", None)
+        if isinstance(error, dict):
+            raise ValidationFailed(error.get("code", "does_not_fit"), error.get("message", str(exc)),
+                                   error.get("param"), error.get("details")) from exc
+        code = getattr(exc, "code", None) or "does_not_fit"
+        raise ValidationFailed(code, str(exc), getattr(exc, "param", None),
+                               {"errors": getattr(exc, "errors", None)} if getattr(exc, "errors", None) else None) from exc
+    if plan is None:
+        return None
+    if hasattr(plan, "model_dump"):
+        plan = plan.model_dump(mode="json")
+    return plan
+
+
+def validate_job(session: Session, job: Job, settings: Settings) -> tuple[JobSpec, dict | None]:
+    """The validating_files stage. Returns (spec, plan); raises ValidationFailed naming file/line/field."""
+    from service.domain.datafmt import DataError, validate_jsonl
+
+    try:
+        spec = JobSpec.model_validate(job.spec)
+    except Exception as exc:  # noqa: BLE001 - a stored spec that no longer parses
+        raise ValidationFailed("invalid_spec", str(exc)) from exc
+    for param, file_id in (("training_file", spec.training_file), ("validation_file", spec.validation_file)):
+        if file_id is None:
+            continue
+        row = session.get(File, file_id)
+        if row is None or row.tenant_id != job.tenant_id:
+            raise ValidationFailed("file_not_found", f"no file {file_id!r}", param)
+        if not Path(row.path).is_file():
+            raise ValidationFailed("file_missing", f"the content of {file_id!r} is missing from storage", param)
+        try:
+            validate_jsonl(row.path)
+        except DataError as exc:
+            raise ValidationFailed("invalid_file", f"{row.filename}: {exc}", param,
+                                   {"file_id": file_id, "line": exc.line}) from exc
+    model_path = resolve_model(spec, settings)
+    plan = memory_preflight(spec, settings, model_path)
+    return spec, plan
+
+
