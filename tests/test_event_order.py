@@ -19,9 +19,10 @@ import pytest
 from sqlalchemy import text
 
 from service.domain.records import IngestBatch
-from service.domain.states import JobStatus, transition
+from service.domain.states import JobStatus
 from service.jobs.crud import add_event, add_events, events_since
 from service.jobs.ingest import ingest
+from service.store.transitions import transition
 from tests.scheduler_support import app_without_ray, create_job, new_key, upload
 
 WAIT_S = 60.0  # a hang guard for the orchestration below, not a timing assertion

@@ -232,9 +232,10 @@ def test_every_field_of_the_sdks_types_is_accepted_and_answered(oai, server):
     from openai.types.fine_tuning.job_create_params import JobCreateParams
     from openai.types.fine_tuning.jobs import FineTuningJobCheckpoint
 
-    from service.domain.states import JobStatus, transition
+    from service.domain.states import JobStatus
     from service.jobs import crud as jobs
     from service.store.db import session_scope
+    from service.store.transitions import transition
 
     app, _ = server
     train, valid = upload(oai), upload(oai)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import Engine, Select, create_engine, event, text, tuple_
+from sqlalchemy import Engine, Select, create_engine, event, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.domain.errors import UnprocessableEntity
@@ -100,11 +100,6 @@ def head_revision() -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
-
-
-def ping(engine: Engine) -> None:
-    with engine.connect() as conn:
-        conn.execute(text("SELECT 1"))
 
 
 class Page(list):
