@@ -261,12 +261,10 @@ def test_memory_view_compares_each_category_and_is_tenant_scoped(client, api_app
 
 
 @pytest.fixture(scope="module")
-def stack(pg_url, ray_head, tmp_path_factory):
-    from tests.scheduler_support import migrated, own_database
+def stack(new_database, ray_head, tmp_path_factory):
     from tests.test_e2e import Stack
 
-    with own_database(pg_url) as url:
-        migrated(url)
+    with new_database() as url:
         s = Stack(url, tmp_path_factory.mktemp("oom-storage"), ray_head)
         s.start_scheduler()
         yield s

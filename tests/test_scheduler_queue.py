@@ -22,22 +22,14 @@ from service.scheduler.ray_jobs import RayJobs
 from service.store import auth
 from service.store.models import IdempotencyKey, Job, JobEvent, utcnow
 from service.store.transitions import transition
-from tests.scheduler_support import (
-    create_job,
-    migrated,
-    new_key,
-    own_database,
-    settings_for,
-    upload,
-)
+from tests.factories import create_job, new_key, settings_for, upload
 
 NOWHERE = RayJobs("http://127.0.0.1:9")  # claim() never talks to Ray
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, tmp_path_factory):
-    with own_database(pg_url) as url:
-        migrated(url)
+def env(new_database, tmp_path_factory):
+    with new_database() as url:
         settings = settings_for(url, tmp_path_factory.mktemp("storage"), lease_seconds=5)
         app = create_app(settings)
         with TestClient(app) as client:
