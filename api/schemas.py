@@ -14,6 +14,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, Field
 
 from service.domain.spec import JobSpec
+from service.jobs.crud import event_public_id
 from service.store.models import Checkpoint, File, Job, JobEvent
 
 T = TypeVar("T")
@@ -178,7 +179,7 @@ class EventPublic(BaseModel):
 
 def event_public(e: JobEvent) -> EventPublic:
     return EventPublic(
-        id=f"ftevent-{e.id}", created_at=ts(e.created_at), level=e.level, message=e.message, type=e.type,
+        id=event_public_id(e.id), created_at=ts(e.created_at), level=e.level, message=e.message, type=e.type,
         data=e.data, attempt=e.attempt,
     )
 

@@ -113,7 +113,7 @@ def main() -> None:
     from service.scheduler.ray_jobs import RayJobs
     from service.settings import Settings
     from service.store import db
-    from tests.scheduler_support import create_job, new_key, upload
+    from tests.factories import create_job, new_key, upload
 
     tmp = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
     with database(args.db, tmp) as url:

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from tests import pgserver
+from tests import factories, pgserver
+from tests.factories import CHAT_JSONL, TenantCtx
 
 ARTIFACTS = Path(os.environ.get("MEMFIT_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
 
@@ -51,16 +54,34 @@ def pg_admin_url():
 
 
 @pytest.fixture(scope="session")
-def pg_url(pg_admin_url):
-    """URL of a fresh, empty Postgres database for this test session."""
-    with pgserver.database(pg_admin_url) as url:
+def new_database(pg_admin_url):
+    """The one way tests get a Postgres database: ``with new_database() as url:`` creates an empty
+    database on the session's server, migrated to head unless ``migrate=False``, and drops it on exit.
+    A module that runs a scheduler takes its own, so it never sees (or adopts) other modules' jobs."""
+
+    @contextmanager
+    def make(migrate: bool = True) -> Iterator[str]:
+        with pgserver.database(pg_admin_url) as url:
+            if migrate:
+                from service.store import db
+
+                db.upgrade(url)
+            yield url
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def pg_url(new_database):
+    """URL of a fresh, empty Postgres database for this test session (``pg_migrated`` migrates it)."""
+    with new_database(migrate=False) as url:
         yield url
 
 
 @pytest.fixture
-def fresh_pg_url(pg_admin_url):
+def fresh_pg_url(new_database):
     """A second, empty Postgres database for one test (e.g. migrations up/down)."""
-    with pgserver.database(pg_admin_url) as url:
+    with new_database(migrate=False) as url:
         yield url
 
 
@@ -103,15 +124,10 @@ def ray_session(ray_head):
 #
 # `pg_migrated`: the session's Postgres database at the migrations' head.
 # `api_app` runs once per backend ("postgres" always; "sqlite" too — the embedded default), with a
-# small upload limit and one allowed model directory. Tests build their data with the factories
-# `make_tenant`, `upload_file` and `create_job`; every test makes its own tenants, so tests share
-# the database without seeing each other's rows.
+# small upload limit and one allowed model directory. Tests build their data with `make_tenant`,
+# `upload_file` and `create_job`: tests/factories.py bound to this app; every test makes its own
+# tenants, so tests share the database without seeing each other's rows.
 
-CHAT_JSONL = (
-    '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
-    '{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}, '
-    '{"role": "assistant", "content": "4"}]}\n'
-)
 TEST_MAX_UPLOAD_BYTES = 64 * 1024
 
 
@@ -158,23 +174,10 @@ def client(api_app):
     return TestClient(api_app)
 
 
-class TenantCtx:
-    def __init__(self, issued):
-        self.name = issued.tenant_name
-        self.id = issued.tenant_id
-        self.key = issued.key
-        self.prefix = issued.prefix
-        self.headers = {"Authorization": f"Bearer {issued.key}"}
-
-
 @pytest.fixture
 def make_tenant(api_app):
-    from service.store import auth
-    from service.store.db import session_scope
-
     def make(name: str | None = None) -> TenantCtx:
-        with session_scope(api_app.state.sessions) as session:
-            return TenantCtx(auth.create_key(session, name or f"tenant-{secrets.token_hex(4)}"))
+        return factories.new_tenant(api_app.state.sessions, name or f"tenant-{secrets.token_hex(4)}")
 
     return make
 
@@ -187,10 +190,7 @@ def tenant(make_tenant) -> TenantCtx:
 @pytest.fixture
 def upload_file(client):
     def upload(tenant: TenantCtx, content: str | bytes = CHAT_JSONL, *, filename="train.jsonl", purpose="fine-tune"):
-        r = client.post(
-            "/v1/files", headers=tenant.headers, files={"file": (filename, content)}, data={"purpose": purpose}
-        )
-        return r
+        return factories.post_file(client, tenant.key, content, filename=filename, purpose=purpose)
 
     return upload
 
@@ -202,7 +202,6 @@ def create_job(client, upload_file):
             r = upload_file(tenant)
             assert r.status_code == 200, r.text
             body["training_file"] = r.json()["id"]
-        body.setdefault("model", "preset:tiny-llama")
-        return client.post("/v1/fine_tuning/jobs", json=body, headers={**tenant.headers, **(headers or {})})
+        return factories.post_job(client, tenant.key, headers, **body)
 
     return create

@@ -1,11 +1,8 @@
-"""Helpers shared by the scheduler, ingest and end-to-end tests: an app on a given database, a real
-HTTP server for it in a thread, a tenant key, uploads and job creation over HTTP."""
+"""Helpers shared by the scheduler, ingest and end-to-end tests: a real HTTP server for an app in a
+thread, and the app with a scheduler that never reaches Ray. The data factories are tests/factories.py."""
 
 from __future__ import annotations
 
-import io
-import json
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -15,50 +12,7 @@ from typing import Any
 import httpx
 
 from service.scheduler.local_head import free_port
-from service.settings import Settings
-from service.store import auth, db
-from service.store.db import session_scope
-from tests import pgserver
-
-ROWS = [
-    {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                  {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]}
-    for i in range(32)
-]
-
-
-def settings_for(db_url: str, storage: Path, **overrides: Any) -> Settings:
-    return Settings(database_url=db_url, storage_dir=storage, **overrides)
-
-
-def migrated(db_url: str) -> None:
-    db.upgrade(db_url)
-
-
-def new_key(sessions, tenant: str | None = None) -> str:
-    with session_scope(sessions) as s:
-        return auth.create_key(s, tenant or f"t-{secrets.token_hex(4)}").key
-
-
-def jsonl(rows: list[dict]) -> bytes:
-    return "".join(json.dumps(r) + "\n" for r in rows).encode()
-
-
-def upload(client, key: str, rows: list[dict] | None = None, name: str = "train.jsonl") -> str:
-    r = client.post("/v1/files", headers={"Authorization": f"Bearer {key}"},
-                    files={"file": (name, io.BytesIO(jsonl(rows or ROWS)), "application/jsonl")},
-                    data={"purpose": "fine-tune"})
-    assert r.status_code == 200, r.text
-    return r.json()["id"]
-
-
-def create_job(client, key: str, file_id: str, training: dict | None = None, **body: Any) -> dict:
-    payload = {"model": "preset:tiny-llama", "training_file": file_id, **body}
-    if training is not None:
-        payload["training"] = training
-    r = client.post("/v1/fine_tuning/jobs", headers={"Authorization": f"Bearer {key}"}, json=payload)
-    assert r.status_code == 200, r.text
-    return r.json()
+from tests.factories import settings_for
 
 
 @dataclass
@@ -98,14 +52,8 @@ class LiveServer:
         return httpx.Client(base_url=self.url, timeout=30)
 
 
-def own_database(pg_url: str):
-    """A module's own Postgres database (next to the session's), so that schedulers under test never
-    see — and adopt — jobs other test modules left running. Yields its URL, drops it afterwards."""
-    return pgserver.database(pg_url)
-
-
-def app_without_ray(pg_url: str, storage: Path):
-    """The app on its own migrated database with a Scheduler whose Ray address never answers: its
+def app_without_ray(new_database, storage: Path):
+    """The app on its own migrated database (``new_database``: the conftest fixture) with a Scheduler whose Ray address never answers: its
     claims hand out attempts and ingest tokens, nothing is submitted. Yields (app, client, scheduler)."""
     from contextlib import contextmanager
 
@@ -117,8 +65,7 @@ def app_without_ray(pg_url: str, storage: Path):
 
     @contextmanager
     def _cm():
-        with own_database(pg_url) as url:
-            migrated(url)
+        with new_database() as url:
             settings = settings_for(url, storage)
             app = create_app(settings)
             sched = Scheduler(app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from service.domain.states import JobStatus, transition
+from service.domain.states import JobStatus
 from service.store.db import session_scope
 from service.store.models import IdempotencyKey, utcnow
+from service.store.transitions import transition
 
 PROBLEM = "application/problem+json"
 

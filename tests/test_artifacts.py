@@ -19,14 +19,8 @@ import pytest
 
 from service.jobs.artifacts import is_allowed
 from service.scheduler.paths import job_dir, request_path
-from tests.scheduler_support import (
-    app_without_ray,
-    create_job,
-    migrated,
-    new_key,
-    own_database,
-    upload,
-)
+from tests.factories import create_job, new_key, upload
+from tests.scheduler_support import app_without_ray
 
 ARTIFACTS = "/v1/fine_tuning/jobs/{}/artifacts"
 
@@ -48,8 +42,8 @@ def raw_get(base_url: str, path: str, key: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, tmp_path_factory):
-    with app_without_ray(pg_url, tmp_path_factory.mktemp("storage")) as stack:
+def env(new_database, tmp_path_factory):
+    with app_without_ray(new_database, tmp_path_factory.mktemp("storage")) as stack:
         yield stack
 
 
@@ -160,11 +154,10 @@ def test_the_allowlist(path, allowed):
 
 
 @pytest.fixture(scope="module")
-def stack(pg_url, ray_head, tmp_path_factory):
+def stack(new_database, ray_head, tmp_path_factory):
     from tests.test_e2e import Stack
 
-    with own_database(pg_url) as url:
-        migrated(url)
+    with new_database() as url:
         s = Stack(url, tmp_path_factory.mktemp("artifacts-storage"), ray_head)
         s.start_scheduler()
         yield s

@@ -18,7 +18,7 @@ from bench import api_harness as h
 from bench import profile_summary
 from service.store import auth
 from service.store.db import session_scope
-from tests.scheduler_support import create_job, new_key, settings_for, upload
+from tests.factories import create_job, new_key, settings_for, upload
 
 
 @pytest.fixture(scope="module")

@@ -30,15 +30,8 @@ from service.scheduler.ray_jobs import RAY_TERMINAL, RayJobs
 from service.store import db
 from service.store import spool as spool_file
 from service.store.models import Checkpoint, Job, JobEvent, MemorySample
-from tests.scheduler_support import (
-    LiveServer,
-    app_without_ray,
-    create_job,
-    migrated,
-    new_key,
-    own_database,
-    upload,
-)
+from tests.factories import create_job, new_key, upload
+from tests.scheduler_support import LiveServer, app_without_ray
 
 ROOT = Path(__file__).resolve().parent.parent
 INGEST = "/v1/internal/jobs/{}/ingest"
@@ -48,8 +41,8 @@ INGEST = "/v1/internal/jobs/{}/ingest"
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, tmp_path_factory):
-    with app_without_ray(pg_url, tmp_path_factory.mktemp("storage")) as stack:
+def env(new_database, tmp_path_factory):
+    with app_without_ray(new_database, tmp_path_factory.mktemp("storage")) as stack:
         yield stack
 
 
@@ -285,10 +278,9 @@ def run_to_the_end_while_away(ray: RayJobs, job_id: str, spool: Path) -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_memfit_serve_stopped_past_the_end_of_a_run_finishes_the_job_on_restart(pg_url, ray_head, tmp_path,
+def test_memfit_serve_stopped_past_the_end_of_a_run_finishes_the_job_on_restart(new_database, ray_head, tmp_path,
                                                                               artifacts_dir):
-    with own_database(pg_url) as url:
-        migrated(url)
+    with new_database() as url:
         engine = db.make_engine(url)
         sessions = db.make_sessionmaker(engine)
         storage = tmp_path / "storage"
@@ -323,13 +315,12 @@ def test_memfit_serve_stopped_past_the_end_of_a_run_finishes_the_job_on_restart(
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_a_run_that_ends_while_the_api_is_down_is_finished_by_the_scheduler(pg_url, ray_head, tmp_path,
+def test_a_run_that_ends_while_the_api_is_down_is_finished_by_the_scheduler(new_database, ray_head, tmp_path,
                                                                          monkeypatch):
     from tests.test_e2e import Stack
 
     monkeypatch.setenv("MEMFIT_WORKER_INGEST_WAIT_S", "2")  # forwarded into the Ray job
-    with own_database(pg_url) as url:
-        migrated(url)
+    with new_database() as url:
         stack = Stack(url, tmp_path / "storage", ray_head)
         stack.start_scheduler()
         try:

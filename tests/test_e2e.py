@@ -22,15 +22,8 @@ from service.scheduler.loop import Scheduler, start_in_thread
 from service.scheduler.paths import submission_id
 from service.scheduler.ray_jobs import RayJobs
 from service.store.models import Job
-from tests.scheduler_support import (
-    LiveServer,
-    create_job,
-    migrated,
-    new_key,
-    own_database,
-    settings_for,
-    upload,
-)
+from tests.factories import create_job, new_key, settings_for, upload
+from tests.scheduler_support import LiveServer
 
 # Generous limits: on a shared 2-core machine a Ray Train fit's fixed start-up cost varies a lot.
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -151,9 +144,8 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(pg_url, ray_head, tmp_path_factory):
-    with own_database(pg_url) as url:
-        migrated(url)
+def stack(new_database, ray_head, tmp_path_factory):
+    with new_database() as url:
         s = Stack(url, tmp_path_factory.mktemp("e2e-storage"), ray_head)
         s.start_scheduler()
         yield s

@@ -19,17 +19,19 @@ import pytest
 from sqlalchemy import text
 
 from service.domain.records import IngestBatch
-from service.domain.states import JobStatus, transition
+from service.domain.states import JobStatus
 from service.jobs.crud import add_event, add_events, events_since
 from service.jobs.ingest import ingest
-from tests.scheduler_support import app_without_ray, create_job, new_key, upload
+from service.store.transitions import transition
+from tests.factories import create_job, new_key, upload
+from tests.scheduler_support import app_without_ray
 
 WAIT_S = 60.0  # a hang guard for the orchestration below, not a timing assertion
 
 
 @pytest.fixture(scope="module")
-def store(pg_url, tmp_path_factory):
-    with app_without_ray(pg_url, tmp_path_factory.mktemp("storage")) as (app, client, sched):
+def store(new_database, tmp_path_factory):
+    with app_without_ray(new_database, tmp_path_factory.mktemp("storage")) as (app, client, sched):
         yield app, client, sched
 
 

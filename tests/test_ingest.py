@@ -10,24 +10,19 @@ import pytest
 
 from service.scheduler.local_head import free_port
 from service.store.models import Job
-from tests.scheduler_support import (
-    LiveServer,
-    app_without_ray,
-    create_job,
-    new_key,
-    upload,
-)
+from tests.factories import create_job, new_key, upload
+from tests.scheduler_support import LiveServer, app_without_ray
 from workers.sink_http import HttpSink
 
 INGEST = "/v1/internal/jobs/{}/ingest"
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, tmp_path_factory):
+def env(new_database, tmp_path_factory):
     # Its own database: the scheduler's validate/claim batches must see only this module's jobs,
     # whatever other modules left queued in the session's database. The scheduler's claim gives each
     # job its attempt and ingest token; Ray is never reached here.
-    with app_without_ray(pg_url, tmp_path_factory.mktemp("storage")) as stack:
+    with app_without_ray(new_database, tmp_path_factory.mktemp("storage")) as stack:
         yield stack
 
 

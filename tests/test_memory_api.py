@@ -189,9 +189,9 @@ def test_a_job_that_fits_is_created_with_its_plan_and_no_extra_event(client, ten
 
 def claimed(api_app, job_id: str) -> str:
     """Move a new job to running, attempt 1, the way the scheduler's claim does; return its ingest token."""
-    from service.domain.states import transition
-    from service.scheduler.tokens import new_ingest_token
     from service.store.db import session_scope
+    from service.store.tokens import new_ingest_token
+    from service.store.transitions import transition
 
     token, token_hash = new_ingest_token()
     with session_scope(api_app.state.sessions) as s:
@@ -261,12 +261,10 @@ def test_memory_view_compares_each_category_and_is_tenant_scoped(client, api_app
 
 
 @pytest.fixture(scope="module")
-def stack(pg_url, ray_head, tmp_path_factory):
-    from tests.scheduler_support import migrated, own_database
+def stack(new_database, ray_head, tmp_path_factory):
     from tests.test_e2e import Stack
 
-    with own_database(pg_url) as url:
-        migrated(url)
+    with new_database() as url:
         s = Stack(url, tmp_path_factory.mktemp("oom-storage"), ray_head)
         s.start_scheduler()
         yield s

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.store.models import File
-from tests.scheduler_support import app_without_ray, create_job, new_key, upload
+from tests.factories import create_job, new_key, upload
+from tests.scheduler_support import app_without_ray
 
 
 def scrape(client) -> dict[str, dict[tuple, float]]:
@@ -26,9 +27,9 @@ def scrape(client) -> dict[str, dict[tuple, float]]:
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, tmp_path_factory):
+def env(new_database, tmp_path_factory):
     # exact job counts: nobody else's jobs in this database
-    with app_without_ray(pg_url, tmp_path_factory.mktemp("storage")) as stack:
+    with app_without_ray(new_database, tmp_path_factory.mktemp("storage")) as stack:
         yield stack
 
 

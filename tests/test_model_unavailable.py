@@ -150,17 +150,12 @@ def test_a_job_with_an_uncached_hub_id_fails_model_unavailable_without_starting_
     from service.scheduler.loop import Scheduler, start_in_thread
     from service.scheduler.paths import submission_id
     from service.scheduler.ray_jobs import RayJobs
-    from tests.scheduler_support import (
-        LiveServer,
-        create_job,
-        migrated,
-        new_key,
-        settings_for,
-        upload,
-    )
+    from service.store import db
+    from tests.factories import create_job, new_key, settings_for, upload
+    from tests.scheduler_support import LiveServer
 
     url = f"sqlite:///{tmp_path / 'memfit.db'}"
-    migrated(url)
+    db.upgrade(url)
     port = free_port()
     settings = settings_for(url, tmp_path / "storage", api_url=f"http://127.0.0.1:{port}", poll_seconds=0.3)
     app = create_app(settings)

@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 
 from service.scheduler.local_head import free_port
-from tests.conftest import CHAT_JSONL
+from tests.factories import CHAT_JSONL
 
 
 @pytest.fixture(scope="module")
@@ -232,9 +232,10 @@ def test_every_field_of_the_sdks_types_is_accepted_and_answered(oai, server):
     from openai.types.fine_tuning.job_create_params import JobCreateParams
     from openai.types.fine_tuning.jobs import FineTuningJobCheckpoint
 
-    from service.domain.states import JobStatus, transition
+    from service.domain.states import JobStatus
     from service.jobs import crud as jobs
     from service.store.db import session_scope
+    from service.store.transitions import transition
 
     app, _ = server
     train, valid = upload(oai), upload(oai)
@@ -308,13 +309,11 @@ def test_every_field_of_the_sdks_types_is_accepted_and_answered(oai, server):
 
 
 @pytest.fixture(scope="module")
-def stack(pg_url, ray_head, tmp_path_factory):
+def stack(new_database, ray_head, tmp_path_factory):
     """API + scheduler + the session's Ray head (tests/test_e2e.py's Stack) for a real run."""
-    from tests.scheduler_support import migrated, own_database
     from tests.test_e2e import Stack
 
-    with own_database(pg_url) as url:
-        migrated(url)
+    with new_database() as url:
         s = Stack(url, tmp_path_factory.mktemp("oai-run-storage"), ray_head)
         s.start_scheduler()
         yield s

@@ -20,7 +20,7 @@ import pytest
 
 from service.scheduler.loop import Scheduler
 from service.scheduler.ray_jobs import RayJobs
-from tests.scheduler_support import migrated, new_key, own_database
+from tests.factories import new_key
 from tests.test_e2e import Stack
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -53,9 +53,8 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def stack(pg_url, ray_head, tmp_path_factory):
-    with own_database(pg_url) as url:
-        migrated(url)
+def stack(new_database, ray_head, tmp_path_factory):
+    with new_database() as url:
         s = Stack(url, tmp_path_factory.mktemp("pages-storage"), ray_head)
         s.start_scheduler()
         yield s

@@ -15,27 +15,21 @@ from sqlalchemy import func, select, update
 
 from api.app import create_app
 from service.domain.errors import StaleAttempt
-from service.domain.states import JobStatus, transition
-from service.scheduler.loop import Scheduler, utcnow
+from service.domain.states import JobStatus
+from service.scheduler.loop import Scheduler
 from service.scheduler.paths import submission_id
 from service.scheduler.ray_jobs import RayJobs
-from service.store.models import Job, JobEvent
-from tests.scheduler_support import (
-    create_job,
-    migrated,
-    new_key,
-    own_database,
-    settings_for,
-    upload,
-)
+from service.store import auth
+from service.store.models import IdempotencyKey, Job, JobEvent, utcnow
+from service.store.transitions import transition
+from tests.factories import create_job, new_key, settings_for, upload
 
 NOWHERE = RayJobs("http://127.0.0.1:9")  # claim() never talks to Ray
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, tmp_path_factory):
-    with own_database(pg_url) as url:
-        migrated(url)
+def env(new_database, tmp_path_factory):
+    with new_database() as url:
         settings = settings_for(url, tmp_path_factory.mktemp("storage"), lease_seconds=5)
         app = create_app(settings)
         with TestClient(app) as client:
@@ -142,3 +136,32 @@ def test_lease_expiry_adoption_and_reclaim_with_next_attempt(env, ray_head):
     assert r.status_code == 403  # attempt 1's token was replaced at the new claim
     with app.state.sessions() as s:
         assert s.get(Job, job_id).status == "running"
+
+
+def test_a_tick_purges_expired_idempotency_keys_every_few_minutes(env):
+    """Keys past their 24 h life are deleted by the scheduler's loop (not only when reused): on the
+    first tick, then again once ``purge_every_s`` has passed; live keys stay."""
+    app, _, settings = env
+    with app.state.sessions.begin() as s:
+        tenant_id = auth.create_key(s, "purge-test").tenant_id
+
+    def add(name: str, age: timedelta) -> None:
+        with app.state.sessions.begin() as s:
+            s.add(IdempotencyKey(tenant_id=tenant_id, key=name, request_hash="0" * 64, status_code=200,
+                                 response_body={}, created_at=utcnow() - age))
+
+    def keys() -> set[str]:
+        with app.state.sessions() as s:
+            return set(s.scalars(select(IdempotencyKey.key).where(IdempotencyKey.tenant_id == tenant_id)))
+
+    add("old", timedelta(hours=25))
+    add("new", timedelta(hours=23))
+    sched = Scheduler(app.state.sessions, settings, NOWHERE, purge_every_s=3600)
+    sched.tick()
+    assert keys() == {"new"}
+    add("old-2", timedelta(hours=30))
+    sched.tick()  # within purge_every_s: not yet
+    assert keys() == {"new", "old-2"}
+    sched._last_purge -= 3601
+    sched.tick()
+    assert keys() == {"new"}

@@ -17,13 +17,8 @@ from sqlalchemy import func, select
 from service.scheduler.local_head import free_port
 from service.store import spool as spool_file
 from service.store.models import JobEvent
-from tests.scheduler_support import (
-    LiveServer,
-    app_without_ray,
-    create_job,
-    new_key,
-    upload,
-)
+from tests.factories import create_job, new_key, upload
+from tests.scheduler_support import LiveServer, app_without_ray
 from workers.sink_http import HttpSink
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,8 +27,8 @@ FAST = {"backoff_base_s": 0.05, "backoff_max_s": 0.3, "flush_interval_s": 0.01, 
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, tmp_path_factory):
-    with app_without_ray(pg_url, tmp_path_factory.mktemp("storage")) as stack:
+def env(new_database, tmp_path_factory):
+    with app_without_ray(new_database, tmp_path_factory.mktemp("storage")) as stack:
         yield stack
 
 

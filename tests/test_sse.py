@@ -17,24 +17,16 @@ from api.routes.stream import StreamHub
 from service.jobs.crud import add_event
 from service.scheduler.loop import Scheduler
 from service.scheduler.ray_jobs import RayJobs
-from tests.scheduler_support import (
-    LiveServer,
-    create_job,
-    migrated,
-    new_key,
-    own_database,
-    settings_for,
-    upload,
-)
+from tests.factories import create_job, new_key, settings_for, upload
+from tests.scheduler_support import LiveServer
 
 INGEST = "/v1/internal/jobs/{}/ingest"
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, tmp_path_factory):
+def env(new_database, tmp_path_factory):
     # Its own database: a claim here must not pick up (or be crowded out by) other modules' queued jobs.
-    with own_database(pg_url) as url:
-        migrated(url)
+    with new_database() as url:
         settings = settings_for(url, tmp_path_factory.mktemp("storage"))
         app = create_app(settings)
         app.state.stream_hub = StreamHub(app.state.read_sessions, poll_s=0.05, heartbeat_s=0.5)

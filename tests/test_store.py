@@ -15,11 +15,12 @@ from service.domain.errors import (
     Unauthorized,
 )
 from service.domain.records import MemoryRecord
-from service.domain.states import ALLOWED, TERMINAL, JobStatus, transition
+from service.domain.states import ALLOWED, TERMINAL, JobStatus
 from service.jobs import crud as jobs
 from service.store import auth
 from service.store.db import make_engine, make_sessionmaker, session_scope
 from service.store.models import ApiKey, Job, JobEvent, MemorySample, Tenant, new_id
+from service.store.transitions import transition
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Request
 
 from api.deps import PrincipalDep, ReadSessionDep, SettingsDep
-from service.memory import compare, preflight
+from service.jobs.crud import get_job_memory
+from service.memory import preflight
 
 router = APIRouter(tags=["memory"])
 
@@ -40,4 +41,4 @@ def plan_memory(
 @router.get("/v1/fine_tuning/jobs/{job_id}/memory", tags=["fine-tuning"],
             summary="Predicted vs measured memory per rank and category")
 def job_memory(job_id: str, session: ReadSessionDep, principal: PrincipalDep) -> dict[str, Any]:
-    return compare.get_job_memory(session, principal, job_id)
+    return get_job_memory(session, principal, job_id)

@@ -1,6 +1,7 @@
-"""The job state machine: one enum, one table of allowed moves, one function that writes them.
+"""The job state machine: one enum and one table of allowed moves (:data:`ALLOWED`). The one
+function that writes a move is :func:`service.store.transitions.transition` (it needs the ORM).
 
-Every status change in memfit goes through :func:`transition`. It is a single conditional UPDATE
+Every status change in memfit goes through that function. It is a single conditional UPDATE
 (``… WHERE status IN (allowed sources) [AND attempt = expected]``), so two writers racing on the
 same job cannot both win, a terminal status never changes (no move leaves one), and a late writer
 holding an old attempt number (a zombie worker, a scheduler that lost its lease) gets
@@ -14,16 +15,7 @@ event ids commit in increasing order and a stream following ``id > cursor`` neve
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from enum import Enum
-from typing import TYPE_CHECKING, Any
-
-from service.domain.errors import InvalidTransition, JobNotFound, StaleAttempt
-
-if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
-
-    from service.store.models import Job
 
 
 class JobStatus(str, Enum):
@@ -38,9 +30,6 @@ class JobStatus(str, Enum):
     @property
     def terminal(self) -> bool:
         return self in TERMINAL
-
-    def can_become(self, to: "JobStatus | str") -> bool:
-        return JobStatus(to) in ALLOWED.get(self, frozenset())
 
 
 TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
@@ -69,65 +58,3 @@ EVENT_MESSAGES = {
     S.cancelled: "Job cancelled",
     S.validating_files: "Validating training file",
 }
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def transition(
-    session: "Session",
-    job_id: str,
-    to: JobStatus | str,
-    *,
-    expected_attempt: int | None = None,
-    event: bool = True,
-    event_data: dict[str, Any] | None = None,
-    **fields: Any,
-) -> "Job":
-    """Move ``job_id`` to ``to`` and set ``fields`` (Job attribute names) in the same UPDATE.
-
-    Raises JobNotFound, StaleAttempt (attempt moved on) or InvalidTransition (the current status
-    cannot become ``to``). ``finished_at`` is set on a terminal status unless given. Appends a
-    status event unless ``event=False``. The caller commits.
-    """
-    from sqlalchemy import update
-
-    from service.store.models import Job, JobEvent
-
-    to = JobStatus(to)
-    columns = Job.__mapper__.attrs.keys()
-    unknown = [k for k in fields if k not in columns or k in ("id", "status", "tenant_id")]
-    if unknown:
-        raise TypeError(f"transition() cannot set {unknown}")
-    now = _now()
-    values: dict[str, Any] = {"status": to.value, "updated_at": now, **fields}
-    if to.terminal:
-        values.setdefault("finished_at", now)
-    stmt = update(Job).where(Job.id == job_id, Job.status.in_(sources_of(to)))
-    if expected_attempt is not None:
-        stmt = stmt.where(Job.attempt == expected_attempt)
-    result = session.execute(stmt.values(**values).execution_options(synchronize_session=False))
-    if result.rowcount != 1:
-        job = session.get(Job, job_id, populate_existing=True)
-        if job is None:
-            raise JobNotFound(job_id)
-        if expected_attempt is not None and job.attempt != expected_attempt:
-            raise StaleAttempt(job_id, expected_attempt, job.attempt)
-        raise InvalidTransition(job_id, job.status, to.value)
-    job = session.get(Job, job_id, populate_existing=True)
-    if event:
-        # Added after the UPDATE above, which holds the job's row lock: the id comes in commit order.
-        data = {"status": to.value, **(event_data or {})}
-        session.add(
-            JobEvent(
-                job_id=job_id,
-                level="error" if to == S.failed else "info",
-                type="message",
-                message=EVENT_MESSAGES[to],
-                data=data,
-                attempt=job.attempt,
-                created_at=now,
-            )
-        )
-    return job

@@ -1,6 +1,6 @@
 """Job service: what the routes call (create, list, get, cancel, pause, resume, events, checkpoints)
 and the store functions the scheduler and the ingest path build on (events, checkpoints, memory
-samples, fenced field updates). Every status change goes through service.domain.states.transition.
+samples, fenced field updates). Every status change goes through service.store.transitions.transition.
 
 Write functions commit their own unit of work (create_job commits twice when it holds an
 Idempotency-Key: once to claim the key, once with the job and the saved answer).
@@ -13,7 +13,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -31,9 +31,11 @@ from service.domain.errors import (
     UnprocessableEntity,
 )
 from service.domain.presets import PRESETS, preset_name
-from service.domain.spec import JobSpec, SpecError, derive, validate_spec
-from service.domain.states import JobStatus, transition
+from service.domain.spec import SpecError, derive, validate_spec
+from service.domain.states import JobStatus
 from service.jobs.files import get_file
+from service.memory import preflight as memory
+from service.memory.compare import initial_summary, job_memory_view
 from service.settings import Settings
 from service.store.auth import Principal
 from service.store.db import (
@@ -52,6 +54,7 @@ from service.store.models import (
     new_id,
     utcnow,
 )
+from service.store.transitions import transition
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
 # A key whose first request has not finished after this long is taken to belong to a dead process.
@@ -223,8 +226,6 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
     spec = derived.spec
     # Memory pre-flight (issue 5, service/memory/preflight.py): memory_policy=reject raises DoesNotFit (422
     # insufficient_memory), auto returns the spec with the cheapest fitting change, ignore the spec as given.
-    from service.memory import preflight as memory
-
     preflight = memory.preflight(spec, settings)
     spec = preflight.spec
     job = Job(
@@ -246,12 +247,17 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
     add_event(session, job.id, f"Validating training file: {spec.training_file}", attempt=0, created_at=job.created_at)
     for d in derived.derivations:
         add_event(session, job.id, d.message, level=d.level, data=d.data, attempt=0)
-    memory.record_preflight(session, job, preflight)  # jobs.plan, the memory summary, the pre-flight's event
+    record_preflight(session, job, preflight)  # jobs.plan, the memory summary, the pre-flight's event
     return job
 
 
-def job_spec(job: Job) -> JobSpec:
-    return JobSpec.model_validate(job.spec)
+def record_preflight(session: Session, job: Job, outcome: memory.PreflightOutcome) -> None:
+    """Store the pre-flight on a new job (its plan, the memory summary) and its events."""
+    job.plan = outcome.plan
+    job.memory_summary = initial_summary(outcome.plan)
+    session.flush()
+    for e in outcome.events:
+        add_event(session, job.id, e["message"], level=e.get("level", "info"), data=e.get("data"), attempt=0)
 
 
 # --- read -------------------------------------------------------------------------------------
@@ -349,7 +355,7 @@ def update_job(session: Session, job_id: str, *, expected_attempt: int | None = 
     """Set non-status fields (lease, ray ids, plan, memory_summary, estimated_finish …), fenced on the
     attempt like transition(). Raises JobNotFound or StaleAttempt. The caller commits."""
     if "status" in fields:
-        raise TypeError("status changes go through service.domain.states.transition")
+        raise TypeError("status changes go through service.store.transitions.transition")
     stmt = update(Job).where(Job.id == job_id)
     if expected_attempt is not None:
         stmt = stmt.where(Job.attempt == expected_attempt)
@@ -507,6 +513,12 @@ def add_memory_samples(session: Session, job_id: str, records: Iterable[Any]) ->
     return insert_ignoring_conflicts(session, MemorySample, rows, ["job_id", "attempt", "rank", "step", "phase"])
 
 
+def get_job_memory(session: Session, principal: Principal, job_id: str) -> dict[str, Any]:
+    """The tenant's job's memory view, predicted against measured (JobNotFound for another tenant's id)."""
+    job = get_job(session, principal, job_id)
+    return job_memory_view(job, list_memory_samples(session, job_id))
+
+
 def list_memory_samples(
     session: Session, job_id: str, *, attempt: int | None = None, after_id: int = 0, limit: int = 10_000
 ) -> list[MemorySample]:
@@ -517,6 +529,7 @@ def list_memory_samples(
 
 
 def purge_idempotency_keys(session: Session, older_than: timedelta = IDEMPOTENCY_TTL) -> int:
-    """Delete keys past their 24 h life (the scheduler may call this now and then). Caller commits."""
-    cutoff = datetime.now(timezone.utc) - older_than
+    """Delete keys past their 24 h life (the scheduler's loop calls this every few minutes; a request
+    that meets an expired key also replaces it). Caller commits. Returns the keys deleted."""
+    cutoff = utcnow() - older_than
     return session.execute(delete(IdempotencyKey).where(IdempotencyKey.created_at < cutoff)).rowcount or 0

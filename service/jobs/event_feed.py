@@ -5,7 +5,7 @@ The SSE route (api/routes/stream.py) calls :func:`poll` from a thread, once per 
 
 Why ``id > cursor`` has no gap: every write of a job's events holds the job's row lock from before
 its first insert until it commits — :func:`service.jobs.crud.add_event` and ``add_events`` take it
-themselves (:func:`service.jobs.crud.lock_job_events`), :func:`service.domain.states.transition` holds it by its
+themselves (:func:`service.jobs.crud.lock_job_events`), :func:`service.store.transitions.transition` holds it by its
 UPDATE of the job row, ingest by its ``SELECT … FOR UPDATE`` — so the writers of one job take turns
 and its event ids become visible in increasing order: the ids a poll sees are always every id up to
 the largest it sees. (Without the lock, an id handed out earlier could commit later, after a reader

@@ -44,14 +44,15 @@ from service.domain.records import (
     Record,
     ResultRecord,
 )
-from service.domain.states import JobStatus, transition
+from service.domain.states import JobStatus
 from service.jobs import metrics
-from service.jobs.crud import add_checkpoint, add_events, add_memory_samples
+from service.jobs.crud import add_checkpoint, add_events, add_memory_samples, update_job
 from service.memory.compare import summary_fields as memory_summary_fields
 from service.memory.oom import oom_error
-from service.scheduler.tokens import ingest_token_matches
 from service.settings import Settings
 from service.store.models import File, Job, JobEvent, new_id
+from service.store.tokens import ingest_token_matches
+from service.store.transitions import transition
 
 ACCEPTING = (JobStatus.running.value, JobStatus.paused.value)
 _RECORD = TypeAdapter(Record)
@@ -211,8 +212,6 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
                    event_data={"error": error})
         status, new = JobStatus.failed.value, new + 1
     elif fields:
-        from service.jobs.crud import update_job
-
         update_job(session, job.id, expected_attempt=attempt, **fields)
     return IngestResult(accepted=new, duplicates=dup, status=status)
 

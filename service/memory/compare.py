@@ -125,14 +125,6 @@ def job_memory_view(job, samples: list[Any]) -> dict[str, Any]:
     }
 
 
-def get_job_memory(session, principal, job_id: str) -> dict[str, Any]:
-    """The tenant's job's memory view (JobNotFound for another tenant's id)."""
-    from service.jobs.crud import get_job, list_memory_samples
-
-    job = get_job(session, principal, job_id)
-    return job_memory_view(job, list_memory_samples(session, job_id))
-
-
 def initial_summary(plan: dict[str, Any] | None) -> dict[str, Any] | None:
     """The short ``memory`` object on a job before anything is measured."""
     if plan is None:

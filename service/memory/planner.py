@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.domain.spec import JobSpec, PeftMethod, Precision, StrategyName
+from service.domain.units import human_bytes
 from service.memory.gpus import GPU, MiB, get_gpu
 from service.memory.shape import ModelShape
 
@@ -694,9 +695,7 @@ def plan_for_spec(spec: JobSpec, gpu: str | None = None, *, model_path: str | No
 
 
 def _fmt(n: int) -> str:
-    if abs(n) >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    return f"{n / 2**20:.1f} MiB"
+    return human_bytes(n, unit="GiB", digits=2) if abs(n) >= 2**30 else human_bytes(n, unit="MiB")
 
 
 def render(plan_dict: dict[str, Any], console=None) -> None:

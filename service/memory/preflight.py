@@ -41,7 +41,7 @@ from service.domain.spec import (
     check_rules,
     validate_spec,
 )
-from service.memory.compare import initial_summary
+from service.domain.units import human_bytes
 from service.settings import Settings
 
 MAX_SUGGESTIONS = 6
@@ -75,7 +75,7 @@ class DoesNotFit(UnprocessableEntity):
 
 
 def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.2f} GiB"
+    return human_bytes(n, "?", unit="GiB", digits=2)  # the API's messages: GiB, two decimals
 
 
 # --- the model's shape ------------------------------------------------------------------------
@@ -274,16 +274,3 @@ def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = Non
                    f"{_gib(new_plan['usable_bytes'])} usable",
         "data": {"memory_preflight": "auto", "applied": applied, "before_peak_bytes": plan["peak_bytes"],
                  "after_peak_bytes": new_plan["peak_bytes"]}}], applied)
-
-
-def record_preflight(session, job, outcome: PreflightOutcome) -> None:
-    """Store the pre-flight on a new job (its plan, the memory summary) and its events."""
-    from service.jobs.crud import add_event
-
-    job.plan = outcome.plan
-    job.memory_summary = initial_summary(outcome.plan)
-    session.flush()
-    for e in outcome.events:
-        add_event(session, job.id, e["message"], level=e.get("level", "info"), data=e.get("data"), attempt=0)
-
-

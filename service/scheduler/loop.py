@@ -8,7 +8,7 @@ One loop (``Scheduler.tick``, every ``settings.poll_seconds``) does, in order:
 3. **adopt** — ``running`` jobs whose lease expired (their scheduler died) get a new owner. The
    attempt does *not* change: if their Ray submission is still alive it is kept, not resubmitted;
 4. **claim** — ``queued`` jobs are claimed with ``SELECT … FOR UPDATE SKIP LOCKED`` (on SQLite the
-   lock clause is a no-op and the fenced UPDATE in :func:`service.domain.states.transition` is what makes a
+   lock clause is a no-op and the fenced UPDATE in :func:`service.store.transitions.transition` is what makes a
    claim exclusive — fine for its single scheduler): ``attempt += 1``, a lease, a fresh ingest
    token; then the run request is written and submitted through the Ray Jobs API as
    ``memfit-<job id>-<attempt>``. Ray refuses a second submission with the same id, so a retried or
@@ -49,7 +49,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,9 +58,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.domain.errors import InvalidTransition, JobNotFound, StaleAttempt
 from service.domain.spec import JobSpec, RunRequest
-from service.domain.states import TERMINAL, JobStatus, transition
-from service.jobs import metrics
-from service.jobs.crud import add_event
+from service.domain.states import TERMINAL, JobStatus
+from service.jobs import ingest, metrics
+from service.jobs.crud import add_event, purge_idempotency_keys
 from service.scheduler.paths import (
     INGEST_PATH,
     job_dir,
@@ -73,18 +73,14 @@ from service.scheduler.ray_jobs import (
     RayJobs,
     RayUnavailable,
 )
-from service.scheduler.tokens import new_ingest_token
 from service.scheduler.validate import ValidationFailed, resolve_model, validate_job
 from service.settings import Settings
 from service.store import spool
-from service.store.models import Checkpoint, File, Job, JobEvent
+from service.store.models import Checkpoint, File, Job, JobEvent, utcnow
+from service.store.tokens import new_ingest_token
+from service.store.transitions import transition
 
 log = logging.getLogger("memfit.scheduler")
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
 
 
 # --- the scheduler ------------------------------------------------------------------------------
@@ -117,9 +113,12 @@ class Scheduler:
     # How often a running job's Ray log is scanned for Ray Train worker-group restarts.
     restart_check_s: float = 3.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    # How often the loop deletes Idempotency-Keys past their 24 h life.
+    purge_every_s: float = 300.0
     _watch: dict[str, _Watch] = field(default_factory=dict)
     _unsubmitted: dict[tuple[str, int], str] = field(default_factory=dict)  # deferred submissions → token
     _last_heartbeat: float = 0.0
+    _last_purge: float | None = None
 
     # ---- the loop ----
 
@@ -133,7 +132,7 @@ class Scheduler:
 
     def tick(self) -> None:
         for step in (self.heartbeat, self.validate_pending, self.adopt_expired, self.claim_and_submit,
-                     self.reconcile):
+                     self.reconcile, self.purge_expired_keys):
             try:
                 step()
             except RayUnavailable as exc:
@@ -168,6 +167,16 @@ class Scheduler:
                 .values(lease_expires_at=utcnow())
                 .execution_options(synchronize_session=False)
             )
+
+    def purge_expired_keys(self, force: bool = False) -> int:
+        """Delete expired Idempotency-Keys, at most every ``purge_every_s`` (any scheduler may: the
+        DELETE is idempotent). Without this, a key is only ever replaced when its tenant reuses it."""
+        now = time.monotonic()
+        if not force and self._last_purge is not None and now - self._last_purge < self.purge_every_s:
+            return 0
+        self._last_purge = now
+        with self.sessions.begin() as s:
+            return purge_idempotency_keys(s)
 
     # ---- validating_files ----
 
@@ -465,8 +474,6 @@ class Scheduler:
         job that no longer accepts records, are refused) and nothing is stored twice. Call it only
         once the run has ended (its sink no longer delivers). Returns the job's status afterwards
         (None when the job is gone)."""
-        from service.jobs import ingest  # service.jobs.ingest imports this module
-
         path = spool_path(self.settings, job_id, attempt)
         offset = spool.delivered_offset(path)
         pending = spool.size(path) - offset

@@ -1,2 +1,2 @@
-"""Persistence: the database engine and sessions, the ORM tables, tenants and API keys, the on-disk
-record spool."""
+"""Persistence: the database engine and sessions, the ORM tables, the one fenced status transition,
+tenants and API keys, the workers' ingest tokens, the on-disk record spool."""

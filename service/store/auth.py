@@ -12,13 +12,12 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.domain.errors import NotFound, Unauthorized
-from service.store.models import ApiKey, Tenant, new_id
+from service.store.models import ApiKey, Tenant, new_id, utcnow
 
 KEY_PREFIX = "mf_live_"
 VISIBLE_CHARS = 8
@@ -76,7 +75,7 @@ def revoke_key(session: Session, prefix: str) -> None:
     result = session.execute(
         update(ApiKey)
         .where(ApiKey.prefix == prefix, ApiKey.revoked_at.is_(None))
-        .values(revoked_at=datetime.now(timezone.utc))
+        .values(revoked_at=utcnow())
     )
     if result.rowcount != 1:
         raise NotFound(f"No active API key with prefix {prefix!r}", param="prefix", code="api_key_not_found")

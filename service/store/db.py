@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import Engine, Select, create_engine, event, text, tuple_
+from sqlalchemy import Engine, Select, create_engine, event, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.domain.errors import UnprocessableEntity
@@ -67,6 +67,10 @@ def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
         session.close()
 
 
+# Alembic is imported inside the functions that migrate: only `memfit db upgrade`, embedded start-up
+# and the tests need it, not every process that opens a session.
+
+
 def alembic_config(url: str):
     from alembic.config import Config
 
@@ -102,11 +106,6 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
 
 
-def ping(engine: Engine) -> None:
-    with engine.connect() as conn:
-        conn.execute(text("SELECT 1"))
-
-
 class Page(list):
     """One page of a cursor-paginated listing: the rows, plus whether more follow."""
 
@@ -137,6 +136,7 @@ def insert_ignoring_conflicts(session: Session, model, rows: list[dict], conflic
     """INSERT … ON CONFLICT (conflict_columns) DO NOTHING on Postgres and SQLite; returns rows inserted."""
     if not rows:
         return 0
+    # The dialect's own INSERT (ON CONFLICT is not portable), chosen per call by the session's engine.
     if session.get_bind().dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import insert
     else:

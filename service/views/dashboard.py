@@ -14,7 +14,7 @@ buffers). ``other`` in the charts is ``temporary_bytes + other_bytes`` of a samp
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
@@ -24,7 +24,7 @@ from service.jobs import artifacts
 from service.jobs.crud import get_job, list_jobs
 from service.settings import Settings
 from service.store.auth import Principal
-from service.store.models import Checkpoint, Job, JobEvent, MemorySample
+from service.store.models import Checkpoint, Job, JobEvent, MemorySample, utcnow
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "other")
 CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states",
@@ -235,7 +235,7 @@ FileNotInJob = artifacts.FileNotInJob
 
 
 def _age_s(ts: datetime | None) -> float | None:
-    return (datetime.now(timezone.utc) - ts).total_seconds() if ts else None
+    return (utcnow() - ts).total_seconds() if ts else None
 
 
 def job_view(session: Session, principal: Principal, settings: Settings, job_id: str) -> dict[str, Any]:
