@@ -26,8 +26,8 @@ from pathlib import Path
 # (phase, pattern on "function (file:line)"), matched innermost-first: the deepest frame that
 # matches any pattern decides the sample's phase.
 PHASES: list[tuple[str, re.Pattern]] = [(name, re.compile(p)) for name, p in [
-    ("auth: service.store.auth.authenticate (key row by prefix, sha256)", r"^authenticate \(service/auth\.py"),
-    ("store: service.jobs.crud get_job / list_jobs (ORM query, row → Job)", r"^(get_job|list_jobs|newest_first_page|fetch_page) \(service/(jobs|db)\.py"),
+    ("auth: service.store.auth.authenticate (key row by prefix, sha256)", r"^authenticate \(service/store/auth\.py"),
+    ("store: service.jobs.crud get_job / list_jobs (ORM query, row → Job)", r"^(get_job|list_jobs|newest_first_page|fetch_page) \(service/(jobs/crud|store/db)\.py"),
     ("serialize: api.schemas job_public / _spec_view / page_public (JobPublic built)", r"^(job_public|_spec_view|page_public|method_public|job_public_dict) \(api/schemas\.py"),
     ("fastapi: serialize_response (response_model validate + dump_json)", r"^serialize_response \(fastapi/routing\.py"),
     ("session: api.deps get_read_session / get_session (open, close → pool checkin)", r"^(get_read_session|get_session) \(api/deps\.py"),
