@@ -1,8 +1,9 @@
 """JSONL → token ids and labels, and a deterministic, resumable distributed sampler.
 
 Three formats, one per line, the format told by the keys of the first row:
-- chat: ``{"messages": [{"role": "system|user|assistant", "content": "..."}, ...]}`` — rendered with
+- chat: ``{"messages": [{"role": "system|user|assistant|tool", "content": "..."}, ...]}`` — rendered with
   the tokenizer's chat template; loss only on assistant turns (content and end tag, not the header);
+  an assistant turn that is only ``tool_calls`` trains on the calls;
 - prompt/completion: ``{"prompt": "...", "completion": "..."}`` — loss only on the completion;
 - text: ``{"text": "..."}`` — loss on every token.
 

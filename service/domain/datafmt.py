@@ -3,7 +3,7 @@
 Three formats, detected from the first example and required on every line after it:
 
 - ``chat``: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]}``
-  with at least one assistant message;
+  with at least one assistant message (an assistant message may be ``tool_calls`` with a null content);
 - ``prompt_completion``: ``{"prompt": str, "completion": str}``;
 - ``text``: ``{"text": str}``.
 
