@@ -264,12 +264,13 @@ def measure(case: Case, model_dir: str, timeout_s: float = 600) -> dict:
 
 
 def predict(case: Case) -> dict:
+    from service.domain.model_ref import resolve_model
     from service.domain.spec import JobSpec
     from service.memory.planner import plan
     from service.memory.shape import shape_for_model
 
     spec = JobSpec.model_validate(case.spec_body())
-    p = plan(spec, shape_for_model(spec.model), None)
+    p = plan(spec, shape_for_model(resolve_model(spec.model, ())), None)
     return p.to_dict()
 
 

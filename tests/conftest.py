@@ -152,6 +152,7 @@ def api_settings(backend_url, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("memfit")
     (root / "models" / "tiny").mkdir(parents=True)
+    (root / "models" / "tiny" / "config.json").write_text("{}")  # a local model directory holds config.json
     return Settings(
         database_url=backend_url,
         storage_dir=root / "storage",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from service.domain.datafmt import DataError, DatasetSummary, validate_jsonl
+from service.domain.datafmt import DataError, DatasetSummary, read_jsonl, validate_jsonl
 
 CHAT = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
 
@@ -52,3 +54,25 @@ def test_path_and_bytes(tmp_path):
         validate_jsonl(p)
     assert exc.value.line == 4 and "not UTF-8" in exc.value.message
     assert validate_jsonl([CHAT.encode()]) == DatasetSummary("chat", 1)
+
+
+def test_assistant_tool_calls_with_null_content_are_a_chat_example():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    row = {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "c1", "content": "done"}, {"role": "assistant", "content": "ok"}]}
+    assert validate_jsonl([json.dumps(row)]) == DatasetSummary("chat", 1)
+
+
+def test_read_jsonl_returns_the_rows_and_names_the_file(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(CHAT + "\n\n" + CHAT + "\n")
+    assert read_jsonl(p) == ("chat", [json.loads(CHAT)] * 2)
+    p.write_text(CHAT + "\n" + '{"text": 1}' + "\n")
+    with pytest.raises(DataError) as exc:
+        read_jsonl(p)
+    assert (exc.value.line, exc.value.message, exc.value.path) == (2, "expected the chat format of the first example, got text", str(p))
+    assert str(exc.value) == f"{p}:2: expected the chat format of the first example, got text"
+    p.write_text("\n")
+    with pytest.raises(DataError) as exc:
+        read_jsonl(p)
+    assert str(exc.value) == f"{p}: the file holds no examples"

@@ -8,15 +8,24 @@ import pytest
 
 pytest.importorskip("torch")
 
+from service.domain.datafmt import DataError, read_jsonl  # noqa: E402
 from workers.data import (  # noqa: E402
     IGNORE,
-    DataError,
     StepSampler,
     encode_example,
     load_dataset,
     pack,
-    read_jsonl,
 )
+
+# OpenAI's chat format with a tool call: the assistant's turn is the call (content null), a tool answers.
+TOOL_CALL_ROW = {"messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    {"role": "assistant", "content": "It is 18C."},
+]}
+CHAT_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +100,42 @@ def test_bad_rows_name_file_and_line(tmp_path, lines, line, needle):
     assert err.value.line == line
     assert needle in str(err.value)
     assert f"bad.jsonl:{line}" in str(err.value)
+
+
+def test_a_tool_call_line_is_accepted_by_the_upload_and_trained_on_by_the_loader(upload_file, tenant, tokenizer,
+                                                                                tmp_path):
+    content = json.dumps(CHAT_ROW) + "\n" + json.dumps(TOOL_CALL_ROW) + "\n"
+    r = upload_file(tenant, content)
+    assert r.status_code == 200, r.text
+    path = tmp_path / "tools.jsonl"
+    path.write_text(content)
+    data = load_dataset(str(path), tokenizer, max_seq_length=1024)
+    assert data.fmt == "chat" and len(data) == 2
+    ids, labels = data.examples[1]
+    # memfit's default template knows no tool_calls: the call is the assistant's text, never a rendered "None".
+    calls = json.dumps(TOOL_CALL_ROW["messages"][1]["tool_calls"])
+    assert _trained_text(tokenizer, ids, labels) == f"{calls}<|end|>\nIt is 18C.<|end|>\n<|eos|>"
+    assert "None" not in tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("bad", [
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tool_calls": [],
+                                                      "audio": {}}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]},
+    {"messages": [{"role": "tool", "content": "18C"}]},
+], ids=["null-content-without-calls", "unknown-key", "unknown-role", "no-assistant"])
+def test_a_bad_line_gets_the_same_error_from_the_upload_and_the_loader(upload_file, tenant, tmp_path, bad):
+    content = json.dumps(CHAT_ROW) + "\n" + json.dumps(bad) + "\n"
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError) as err:
+        read_jsonl(str(path))
+    assert (err.value.line, err.value.path) == (2, str(path))
+    assert str(err.value) == f"{path}:2: {err.value.message}"
+    r = upload_file(tenant, content, filename="bad.jsonl")
+    assert r.status_code == 400 and r.json()["code"] == "invalid_file"
+    assert r.json()["detail"] == f"Invalid JSONL in 'bad.jsonl': line 2: {err.value.message}"
 
 
 def test_run_entry_rejects_bad_rows_before_any_worker(tmp_path):

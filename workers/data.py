@@ -1,14 +1,15 @@
 """JSONL → token ids and labels, and a deterministic, resumable distributed sampler.
 
 Three formats, one per line, the format told by the keys of the first row:
-- chat: ``{"messages": [{"role": "system|user|assistant", "content": "..."}, ...]}`` — rendered with
+- chat: ``{"messages": [{"role": "system|user|assistant|tool", "content": "..."}, ...]}`` — rendered with
   the tokenizer's chat template; loss only on assistant turns (content and end tag, not the header);
+  an assistant turn that is only ``tool_calls`` trains on the calls;
 - prompt/completion: ``{"prompt": "...", "completion": "..."}`` — loss only on the completion;
 - text: ``{"text": "..."}`` — loss on every token.
 
 Labels are aligned with inputs (Hugging Face convention): the loss shifts them by one. -100 marks a
-position that does not count. Row validation is :mod:`service.domain.datafmt`'s (the API runs it on
-uploads); the small parser here is only a fallback for an older service package.
+position that does not count. What a good row is — and the rows themselves — come from
+service/domain/datafmt.py (:func:`read_jsonl`), the validator the API runs on uploads.
 """
 
 from __future__ import annotations
@@ -19,89 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from service.domain.datafmt import read_jsonl
+
 IGNORE = -100
-ROLES = {"system", "user", "assistant", "tool"}
-
-
-class DataError(ValueError):
-    """A bad row: names the file and the 1-based line."""
-
-    def __init__(self, line: int, message: str, path: str | None = None):
-        self.line = line
-        self.path = path
-        self.message = message
-        where = f"{path}:{line}" if path else f"line {line}"
-        super().__init__(f"{where}: {message}")
-
-
-def _check_row(row, fmt: str | None, line: int, path: str) -> str:
-    if not isinstance(row, dict):
-        raise DataError(line, "each line must be a JSON object", path)
-    if "messages" in row:
-        kind = "chat"
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(line, "'messages' must be a non-empty list", path)
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise DataError(
-                    line, f"messages[{i}] needs a role ({', '.join(sorted(ROLES))}) and a string content", path
-                )
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise DataError(line, "a chat example needs at least one assistant message", path)
-    elif "prompt" in row or "completion" in row:
-        kind = "prompt_completion"
-        for key in ("prompt", "completion"):
-            if not isinstance(row.get(key), str):
-                raise DataError(line, f"'{key}' must be a string", path)
-        if not row["completion"]:
-            raise DataError(line, "'completion' is empty", path)
-    elif "text" in row:
-        kind = "text"
-        if not isinstance(row["text"], str) or not row["text"]:
-            raise DataError(line, "'text' must be a non-empty string", path)
-    else:
-        raise DataError(line, "unknown format: expected 'messages', 'prompt'/'completion' or 'text'", path)
-    if fmt is not None and kind != fmt:
-        raise DataError(line, f"row is {kind} but the file started as {fmt}; one format per file", path)
-    return kind
-
-
-def read_jsonl(path: str) -> tuple[str, list[dict]]:
-    """Parse and validate every row; raise DataError (file and line) at the first bad one.
-    Returns (format, rows). Uses service.domain.datafmt — the validator the API runs on uploads — so
-    the driver, the workers and the API agree on what a good row is."""
-    try:
-        from service.domain import datafmt
-    except ImportError:  # pragma: no cover - only where service/ is older than the workers
-        return _read_jsonl_local(path)
-    rows: list[dict] = []
-    try:
-        for _, row in datafmt.iter_examples(path):
-            rows.append(row)
-    except datafmt.DataError as exc:
-        raise DataError(exc.line, exc.message, path) from None
-    if not rows:
-        raise DataError(0, "the file holds no examples", path)
-    return datafmt.detect_format(rows[0]), rows
-
-
-def _read_jsonl_local(path: str) -> tuple[str, list[dict]]:
-    rows: list[dict] = []
-    fmt: str | None = None
-    with open(path, encoding="utf-8") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise DataError(n, f"invalid JSON: {exc.msg} at column {exc.colno}", path) from None
-            fmt = _check_row(row, fmt, n, path)
-            rows.append(row)
-    if not rows:
-        raise DataError(0, "the file holds no examples", path)
-    return fmt, rows
 
 
 # --- tokenization -------------------------------------------------------------------------------
@@ -123,6 +44,16 @@ def _delta(longer: str, shorter: str) -> str:
     return longer[len(shorter) :]
 
 
+def _for_template(tokenizer, messages: list[dict]) -> list[dict]:
+    """The messages as the chat template is given them. An assistant turn may be tool calls with a null
+    content (datafmt accepts OpenAI's form); a template that knows nothing of ``tool_calls`` (memfit's
+    default) would render that null as "None", so it is given the calls as JSON text to learn instead."""
+    if "tool_calls" in (getattr(tokenizer, "chat_template", None) or ""):
+        return messages
+    return [{**m, "content": json.dumps(m["tool_calls"])} if m.get("content") is None and m.get("tool_calls")
+            else m for m in messages]
+
+
 def encode_example(tokenizer, row: dict, fmt: str) -> tuple[list[int], list[int]]:
     """(input_ids, labels) for one row. Each rendered piece is tokenized on its own so that the mask
     boundary is exact: the template's role tags are special tokens, so pieces never merge across."""
@@ -136,7 +67,7 @@ def encode_example(tokenizer, row: dict, fmt: str) -> tuple[list[int], list[int]
         completion = _ids(tokenizer, row["completion"]) + eos
         return prompt + completion, [IGNORE] * len(prompt) + completion
     ids, labels = list(bos), [IGNORE] * len(bos)
-    msgs = row["messages"]
+    msgs = _for_template(tokenizer, row["messages"])
     done = ""
     for i, m in enumerate(msgs):
         if m["role"] == "assistant":

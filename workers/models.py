@@ -1,4 +1,5 @@
-"""Where a model comes from: a built-in preset, a local Hugging Face directory, or a hub id.
+"""A job's model on the workers: a built-in preset built and cached, a local Hugging Face directory or a hub
+id checked and loaded. Which of the three a ``model`` names is service/domain/model_ref.py's rule.
 
 Presets are random-init models built from the config dicts in service/domain/presets.py, with a byte-level
 BPE tokenizer trained in-process to exactly ``vocab_size`` tokens. A built preset is cached on disk
@@ -15,6 +16,7 @@ import os
 import random
 from pathlib import Path
 
+from service.domain.model_ref import ModelRefError, resolve_model
 from service.domain.presets import preset_config, preset_name
 from workers.published import publish_once
 
@@ -129,32 +131,32 @@ def _write_preset(cfg: dict, out: Path) -> None:
 
 
 def resolve_model_dir(model: str, model_path: str | None = None) -> str:
-    """A local directory or hub id that ``from_pretrained`` can load, building presets as needed."""
-    if model_path:
-        if not Path(model_path, "config.json").exists():
-            raise ModelSourceError(f"model directory {model_path!r} has no config.json")
-        return model_path
-    if preset_name(model) is not None:
-        try:
-            return str(build_preset(model))
-        except KeyError as exc:
-            raise ModelSourceError(str(exc.args[0])) from None
-    if Path(model).is_dir():
-        if not Path(model, "config.json").exists():
-            raise ModelSourceError(f"model directory {model!r} has no config.json")
-        return model
+    """A local directory or hub id that ``from_pretrained`` can load, building presets as needed.
+
+    Which of the three ``model`` is, is service/domain/model_ref.py's rule. A worker has no
+    MEMFIT_MODEL_DIRS: the scheduler resolved a local model to ``model_path`` (the run request's), so
+    here a local path is only allowed as ``model_path``. What is left here is what needs the workers'
+    libraries: building a preset, and finding a hub id in the local cache when HF_HUB_OFFLINE is set."""
+    try:
+        ref = resolve_model(model, (), model_path=model_path)
+    except ModelRefError as exc:
+        raise ModelSourceError(exc.message) from None
+    if ref.kind == "local":
+        return ref.local_dir
+    if ref.kind == "preset":
+        return str(build_preset(model))
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         # Offline: the hub id may still be in the local cache; from_pretrained will tell.
         try:
             from huggingface_hub import snapshot_download
 
-            return snapshot_download(model, local_files_only=True)
-        except Exception:
+            return snapshot_download(ref.hub_id, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached, or a cache huggingface_hub cannot read
             raise ModelSourceError(
                 f"model {model!r} is a hub id but HF_HUB_OFFLINE is set and it is not in the local cache; "
                 "download it on a machine with network access or give a local directory"
             ) from None
-    return model
+    return ref.hub_id
 
 
 def check_model(model: str, model_path: str | None = None) -> str:

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from service.domain.datafmt import DataError, read_jsonl
 from service.domain.spec import RunRequest, SpecError, check_rules
-from workers.data import DataError, read_jsonl
 from workers.models import ModelSourceError, check_model
 from workers.sink import RecordCallback, failure_records, make_sinks
 

@@ -3,12 +3,13 @@
 Three formats, detected from the first example and required on every line after it:
 
 - ``chat``: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]}``
-  with at least one assistant message;
+  with at least one assistant message (an assistant message may be ``tool_calls`` with a null content);
 - ``prompt_completion``: ``{"prompt": str, "completion": str}``;
 - ``text``: ``{"text": str}``.
 
-The API validates uploads with :func:`validate_jsonl`; the workers call the same function (or
-:func:`check_example`) before tokenizing. Errors name the 1-based line.
+The one home of what a good line is: the API validates uploads and the scheduler re-checks stored
+files with :func:`validate_jsonl`; the workers load the rows they tokenize with :func:`read_jsonl`.
+Errors name the 1-based line (and, from :func:`read_jsonl`, the file).
 """
 
 from __future__ import annotations
@@ -27,13 +28,22 @@ _CHAT_EXTRA = {"tools", "parallel_tool_calls", "functions"}
 _MESSAGE_EXTRA = {"name", "weight", "tool_calls", "tool_call_id", "function_call"}
 
 
-class DataError(ValueError):
-    """A problem with one line of a dataset (``line`` is 1-based; 0 means the file as a whole)."""
+NO_EXAMPLES = "the file holds no examples"
 
-    def __init__(self, line: int, message: str):
+
+class DataError(ValueError):
+    """A problem with one line of a dataset (``line`` is 1-based; 0 means the file as a whole), naming
+    the file when ``path`` is given."""
+
+    def __init__(self, line: int, message: str, path: str | None = None):
         self.line = line
         self.message = message
-        super().__init__(f"line {line}: {message}" if line else message)
+        self.path = path
+        if path:
+            where = f"{path}:{line}: " if line else f"{path}: "
+        else:
+            where = f"line {line}: " if line else ""
+        super().__init__(where + message)
 
 
 @dataclass(frozen=True)
@@ -147,5 +157,17 @@ def validate_jsonl(source: str | PathLike | Iterable[str] | Iterable[bytes]) -> 
             fmt = detect_format(example)
         rows += 1
     if fmt is None:
-        raise DataError(0, "the file holds no examples")
+        raise DataError(0, NO_EXAMPLES)
     return DatasetSummary(format=fmt, rows=rows)
+
+
+def read_jsonl(path: str | PathLike) -> tuple[str, list[dict[str, Any]]]:
+    """(format, every example) of a JSONL file, checked as :func:`validate_jsonl` checks it; raises
+    DataError naming the file and the line."""
+    try:
+        rows = [example for _, example in iter_examples(path)]
+    except DataError as exc:
+        raise DataError(exc.line, exc.message, str(path)) from None
+    if not rows:
+        raise DataError(0, NO_EXAMPLES, str(path))
+    return detect_format(rows[0]), rows

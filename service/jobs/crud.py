@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from sqlalchemy import delete, select, update
@@ -30,7 +28,7 @@ from service.domain.errors import (
     StaleAttempt,
     UnprocessableEntity,
 )
-from service.domain.presets import PRESETS, preset_name
+from service.domain.model_ref import ModelRefError, resolve_model
 from service.domain.spec import SpecError, derive, validate_spec
 from service.domain.states import JobStatus
 from service.jobs.files import get_file
@@ -60,35 +58,6 @@ IDEMPOTENCY_TTL = timedelta(hours=24)
 # A key whose first request has not finished after this long is taken to belong to a dead process.
 IDEMPOTENCY_ABANDONED = timedelta(seconds=60)
 MAX_LIMIT = 100
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-
-
-# --- models ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    kind: str  # "preset" | "local" | "hub"
-    name: str  # preset name, resolved directory, or hub id
-
-
-def resolve_model(model: str, settings: Settings) -> ModelRef:
-    """Where a job's ``model`` points. Raises ValueError with a user-facing message when it may not be used."""
-    name = preset_name(model)
-    if name is not None:
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {model!r}; known: {', '.join('preset:' + n for n in PRESETS)}")
-        return ModelRef("preset", name)
-    if model.startswith(("/", ".", "~")) or "\\" in model or model.count("/") > 1:
-        path = Path(model).expanduser().resolve()
-        if not any(path == d or d in path.parents for d in settings.model_dirs):
-            raise ValueError("a local model path must lie inside one of MEMFIT_MODEL_DIRS")
-        if not path.is_dir():
-            raise ValueError(f"model directory {model!r} does not exist")
-        return ModelRef("local", str(path))
-    if _HUB_ID.match(model):
-        return ModelRef("hub", model)
-    raise ValueError("model must be 'preset:<name>', a directory under MEMFIT_MODEL_DIRS, or a hub id 'org/name'")
 
 
 # --- create -----------------------------------------------------------------------------------
@@ -210,9 +179,9 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
         raise SpecInvalid([{"param": "training.strategy", "code": "unsupported_strategy",
                             "message": NOT_RUNNABLE_STRATEGIES[spec.training.strategy.value]}])
     try:
-        resolve_model(spec.model, settings)
-    except ValueError as exc:
-        raise SpecInvalid([{"param": "model", "message": str(exc), "code": "invalid_model"}]) from None
+        resolve_model(spec.model, settings.model_dirs)
+    except ModelRefError as exc:  # the API answers every model problem as invalid_model; the message says which
+        raise SpecInvalid([{"param": "model", "message": exc.message, "code": "invalid_model"}]) from None
     files = {}
     for param in ("training_file", "validation_file"):
         file_id = getattr(spec, param)

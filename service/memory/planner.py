@@ -681,9 +681,10 @@ def auto_fix(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety
 def plan_for_spec(spec: JobSpec, gpu: str | None = None, *, model_path: str | None = None,
                   safety_margin: float = 0.10) -> dict[str, Any]:
     """The JSON the API and CLI return: the plan, and when it does not fit, the ranked suggestions."""
+    from service.domain.model_ref import resolve_model
     from service.memory.shape import shape_for_model
 
-    shape = shape_for_model(spec.model, model_path)
+    shape = shape_for_model(resolve_model(spec.model, (), model_path=model_path))
     p = plan(spec, shape, gpu, safety_margin=safety_margin)
     out = p.to_dict()
     out["model"] = {"name": spec.model, **shape.to_dict()}

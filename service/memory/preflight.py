@@ -4,9 +4,10 @@ predicted against measured once the job runs (issue 5, items 3–5). The arithme
 against, what the memory policy does with the answer, and how the answer is compared with what the
 workers measure.
 
-- :func:`resolve_shape` — a spec's ``model`` → its shape: a preset's config dict, a directory under
-  ``MEMFIT_MODEL_DIRS`` → its ``config.json``, a hub id → the planner's known shapes. Anything else is
-  :class:`UnknownModelShape`: the job still runs and its memory is only measured.
+- :func:`resolve_shape` — a spec's ``model``, resolved by service/domain/model_ref.py, → its shape: a
+  preset's config dict, a directory under ``MEMFIT_MODEL_DIRS`` → its ``config.json``, a hub id → the
+  planner's known shapes. Anything else is :class:`UnknownModelShape`: the job still runs and its memory
+  is only measured.
 - :func:`plan_for_spec` — the plan JSON (``POST /v1/memory/plan``, stored as ``jobs.plan``).
   Capacity: the named GPU (the ``gpu`` override, else ``training.resources.gpu_type``); with no GPU
   named (CPU workers) only ``host_memory_budget_bytes`` is a capacity, and without one the plan is
@@ -30,10 +31,10 @@ measured, negative when the planner under-predicts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from service.domain.errors import UnprocessableEntity
+from service.domain.model_ref import ModelRefError, resolve_model
 from service.domain.spec import (
     JobSpec,
     MemoryPolicy,
@@ -88,43 +89,15 @@ class ResolvedShape:
 
 
 def resolve_shape(spec: JobSpec, settings: Settings, model_path: str | None = None) -> ResolvedShape:
-    """The shape of ``spec.model``; raises UnknownModelShape saying why when the planner cannot read it."""
-    from service.domain.presets import PRESETS, preset_config, preset_name
-    from service.memory.shape import (
-        KNOWN_CONFIGS,
-        UnsupportedModel,
-        shape_from_config,
-        shape_from_path,
-    )
+    """The shape of ``spec.model``, resolved by service/domain/model_ref.py (``model_path``: a directory
+    the scheduler already resolved); raises UnknownModelShape saying why when the planner cannot read it."""
+    from service.memory.shape import UnsupportedModel, shape_for_model
 
-    model = spec.model
-    name = preset_name(model)
-    if name is not None:
-        if name not in PRESETS:
-            raise UnknownModelShape(f"unknown preset {model!r}")
-        return ResolvedShape(shape_from_config(preset_config(model)), "preset")
-    directory = Path(model_path) if model_path else _local_dir(model, settings)
-    if directory is not None:
-        try:
-            return ResolvedShape(shape_from_path(directory), "local")
-        except UnsupportedModel as exc:
-            raise UnknownModelShape(f"unknown model shape for {model!r}: {exc}") from None
-    if model in KNOWN_CONFIGS:
-        return ResolvedShape(shape_from_config(KNOWN_CONFIGS[model]), "hub")
-    raise UnknownModelShape(f"unknown model shape for {model!r}: not a preset, not a directory under "
-                            "MEMFIT_MODEL_DIRS with a config.json, and not a hub id the planner knows")
-
-
-def _local_dir(model: str, settings: Settings) -> Path | None:
-    """A directory under MEMFIT_MODEL_DIRS holding config.json (an absolute path or a name in one)."""
-    candidates = []
-    if model.startswith(("/", ".", "~")):
-        path = Path(model).expanduser().resolve()
-        if any(path == d or d in path.parents for d in settings.model_dirs):
-            candidates.append(path)
-    else:
-        candidates.extend(d / model for d in settings.model_dirs)
-    return next((c for c in candidates if (c / "config.json").is_file()), None)
+    try:
+        ref = resolve_model(spec.model, settings.model_dirs, model_path=model_path)
+        return ResolvedShape(shape_for_model(ref), ref.kind)
+    except (ModelRefError, UnsupportedModel) as exc:
+        raise UnknownModelShape(f"unknown model shape for {spec.model!r}: {exc}") from None
 
 
 # --- the plan ---------------------------------------------------------------------------------

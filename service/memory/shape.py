@@ -12,6 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from service.domain.model_ref import ModelRef
+from service.domain.presets import PRESETS
+
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
 SUPPORTED = LLAMA_LIKE | {"gpt2"}
 
@@ -283,12 +286,14 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
 KNOWN_CONFIGS["gpt2"] = KNOWN_CONFIGS["openai-community/gpt2"]
 
 
-def shape_for_model(model: str, model_path: str | None = None) -> ModelShape:
-    """A job spec's ``model`` (preset, local directory or a well-known hub id) → its shape."""
-    from service.domain.presets import preset_config, preset_name
-
-    if preset_name(model) is not None:
-        return shape_from_config(preset_config(model))
-    if model_path is None and model in KNOWN_CONFIGS and not Path(model).is_dir():
-        return shape_from_config(KNOWN_CONFIGS[model])
-    return shape_from_path(model_path or model)
+def shape_for_model(ref: ModelRef) -> ModelShape:
+    """A resolved ``model`` (service/domain/model_ref.py) → its shape: a preset's config, a local
+    directory's config.json, or a hub id's entry in KNOWN_CONFIGS. Raises UnsupportedModel saying why."""
+    if ref.kind == "preset":
+        return shape_from_config(PRESETS[ref.preset])
+    if ref.kind == "local":
+        return shape_from_path(ref.path)
+    if ref.hub_id in KNOWN_CONFIGS:
+        return shape_from_config(KNOWN_CONFIGS[ref.hub_id])
+    raise UnsupportedModel(f"{ref.hub_id!r} is a hub id whose shape the planner does not know (not a preset, "
+                           "and not a directory under MEMFIT_MODEL_DIRS with a config.json)")

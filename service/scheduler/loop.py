@@ -57,6 +57,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.domain.errors import InvalidTransition, JobNotFound, StaleAttempt
+from service.domain.model_ref import resolve_model
 from service.domain.spec import JobSpec, RunRequest
 from service.domain.states import TERMINAL, JobStatus
 from service.jobs import ingest, metrics
@@ -73,7 +74,7 @@ from service.scheduler.ray_jobs import (
     RayJobs,
     RayUnavailable,
 )
-from service.scheduler.validate import ValidationFailed, resolve_model, validate_job
+from service.scheduler.validate import ValidationFailed, validate_job
 from service.settings import Settings
 from service.store import spool
 from service.store.models import Checkpoint, File, Job, JobEvent, utcnow
@@ -255,7 +256,7 @@ class Scheduler:
             spec=spec,
             training_path=training.path,
             validation_path=validation.path if validation else None,
-            model_path=resolve_model(spec, self.settings),
+            model_path=resolve_model(spec.model, self.settings.model_dirs).local_dir,
             output_dir=str(out),
             ingest_url=self.settings.api_url.rstrip("/") + INGEST_PATH.format(job_id=job.id),
             ingest_token=token,

@@ -3,12 +3,11 @@ memory pre-flight passes (the same one job creation runs)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from service.domain.presets import PRESET_PREFIX, PRESETS
+from service.domain.model_ref import ModelRefError, resolve_model
 from service.domain.spec import JobSpec
 from service.settings import Settings
 from service.store.models import File, Job
@@ -20,30 +19,6 @@ class ValidationFailed(Exception):
     def __init__(self, code: str, message: str, param: str | None = None, details: dict | None = None):
         super().__init__(message)
         self.error = {"code": code, "message": message, "param": param, "details": details or {}}
-
-
-def resolve_model(spec: JobSpec, settings: Settings) -> str | None:
-    """The local model directory a job trains, or None for a preset / hub id. Raises ValidationFailed."""
-    model = spec.model
-    if model.startswith(PRESET_PREFIX):
-        name = model[len(PRESET_PREFIX):]
-        if name not in PRESETS:
-            raise ValidationFailed(
-                "model_not_found", f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}", "model"
-            )
-        return None
-    if model.startswith(("/", "./", "~")) or os.path.isabs(model):
-        path = Path(model).expanduser().resolve()
-        if not any(path == d or d in path.parents for d in settings.model_dirs):
-            raise ValidationFailed("model_not_allowed", f"{model!r} is not under MEMFIT_MODEL_DIRS", "model")
-        if not (path / "config.json").is_file():
-            raise ValidationFailed("model_not_found", f"{model!r} has no config.json", "model")
-        return str(path)
-    for directory in settings.model_dirs:  # a name under one of the model dirs
-        candidate = directory / model
-        if (candidate / "config.json").is_file():
-            return str(candidate)
-    return None  # a hub id: the worker loads it (and says so clearly when the cluster is offline)
 
 
 def memory_preflight(spec: JobSpec, settings: Settings, model_path: str | None) -> dict | None:
@@ -95,7 +70,10 @@ def validate_job(session: Session, job: Job, settings: Settings) -> tuple[JobSpe
         except DataError as exc:
             raise ValidationFailed("invalid_file", f"{row.filename}: {exc}", param,
                                    {"file_id": file_id, "line": exc.line}) from exc
-    model_path = resolve_model(spec, settings)
+    try:
+        model_path = resolve_model(spec.model, settings.model_dirs).local_dir
+    except ModelRefError as exc:
+        raise ValidationFailed(exc.code, exc.message, exc.param) from exc
     plan = memory_preflight(spec, settings, model_path)
     return spec, plan
 
