@@ -3,11 +3,34 @@
 Every error carries what the HTTP layer needs and nothing HTTP-specific beyond the status number:
 a stable machine-readable ``code``, the offending ``param`` (dotted path, or None), optional
 ``errors`` (several problems reported together) and an OpenAI error ``type``.
+
+:class:`ErrorInfo` is the structured error a failed job stores (``jobs.error``):
+``{code, message, param, details}``; a worker's failure adds where it happened
+(:class:`FailureInfo`: ``rank``, ``step``, ``phase``).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class ErrorInfo(BaseModel):
+    """A job's structured error, as ``jobs.error`` stores it: ``error.model_dump(mode="json")``."""
+
+    code: str = Field(description="Stable, machine-readable: insufficient_memory, invalid_file, …")
+    message: str
+    param: str | None = Field(None, description="The offending field (dotted path), or None.")
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class FailureInfo(ErrorInfo):
+    """A failure reported by the workers: an ErrorInfo and where it happened."""
+
+    rank: int | None = None
+    step: int | None = None
+    phase: str | None = None
 
 
 class DomainError(Exception):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from service.domain.errors import ErrorInfo
 from service.domain.presets import PRESET_PREFIX, PRESETS
 from service.domain.spec import JobSpec
 from service.settings import Settings
@@ -17,9 +18,12 @@ from service.store.models import File, Job
 
 
 class ValidationFailed(Exception):
+    """The job fails validation; ``error`` is what ``jobs.error`` stores (ErrorInfo's JSON)."""
+
     def __init__(self, code: str, message: str, param: str | None = None, details: dict | None = None):
         super().__init__(message)
-        self.error = {"code": code, "message": message, "param": param, "details": details or {}}
+        self.info = ErrorInfo(code=code, message=message, param=param, details=details or {})
+        self.error = self.info.model_dump(mode="json")
 
 
 def resolve_model(spec: JobSpec, settings: Settings) -> str | None:
@@ -61,16 +65,11 @@ def memory_preflight(spec: JobSpec, settings: Settings, model_path: str | None) 
         raise
     except Exception as exc:  # noqa: BLE001 - the planner's refusal, whatever its class
         error = getattr(exc, "error", None)
-        if isinstance(error, dict):
-            raise ValidationFailed(error.get("code", "does_not_fit"), error.get("message", str(exc)),
-                                   error.get("param"), error.get("details")) from exc
+        if isinstance(error, ErrorInfo):  # DoesNotFit: the breakdown, the suggestions and the plan
+            raise ValidationFailed(error.code, error.message, error.param, error.details) from exc
         code = getattr(exc, "code", None) or "does_not_fit"
         raise ValidationFailed(code, str(exc), getattr(exc, "param", None),
                                {"errors": getattr(exc, "errors", None)} if getattr(exc, "errors", None) else None) from exc
-    if plan is None:
-        return None
-    if hasattr(plan, "model_dump"):
-        plan = plan.model_dump(mode="json")
     return plan
 
 
