@@ -120,3 +120,53 @@ def test_failure_info_adds_where():
     f = FailureInfo(code="out_of_memory", message="oom", rank=1, step=3, phase="backward")
     assert f.model_dump(mode="json") == {"code": "out_of_memory", "message": "oom", "param": None, "details": {},
                                          "rank": 1, "step": 3, "phase": "backward"}
+
+
+def test_planner_page_rows_come_from_the_typed_plan(settings):
+    from service.views.plan_page import evaluate
+
+    ctx = evaluate({"model": "preset:small-llama", "gpu": "a100-40gb", "peft": "lora"}, settings=settings)
+    result = ctx["result"]
+    assert not ctx["errors"] and result["fits"] is True and result["capacity_label"] == "a100-40gb"
+    assert [r["category"] for r in result["rows"]] == list(CHARTED)
+    plan = Plan.model_validate(result["plan"])
+    d = plan.per_rank.device
+    by_cat = {r["category"]: r["bytes"] for r in result["rows"]}
+    assert by_cat["parameters"] == d.parameters and by_cat["other"] == d.temporary + d.overhead
+    assert result["total_bytes"] == d.total and result["used_share"] == d.total / plan.capacity_bytes
+
+    ctx = evaluate({"model": "meta-llama/Llama-2-7b-hf", "gpu": "a100-40gb", "precision": "fp32",
+                    "micro_batch_size": "1"}, settings=settings)
+    result = ctx["result"]
+    assert result["fits"] is False and result["suggestions"]
+    served = Plan.model_validate(result["plan"]).suggestions
+    assert [s["change"] for s in result["suggestions"]] == [s.description for s in served]
+    assert all(s["fits"] for s in result["suggestions"])
+
+
+def test_job_page_suggestions_read_from_the_error_or_the_plan(settings):
+    from service.views.dashboard import error_suggestions, suggestion_rows
+
+    case = next(c for c in CASES if c["name"] == "7b_fp32_does_not_fit")
+    with pytest.raises(DoesNotFit) as raised:
+        preflight(validate_spec(case["body"], None), settings)
+    error = raised.value.error.model_dump(mode="json")
+    rows = suggestion_rows(error_suggestions(error))
+    assert rows == [{"change": s["description"], "predicted_peak_bytes": s["predicted_peak_bytes"], "fits": True}
+                    for s in case["plan"]["suggestions"]]
+    assert error_suggestions({"code": "worker_error", "message": "x", "details": {}}) == []
+    assert error_suggestions(None) == []
+
+
+@pytest.mark.parametrize("name", ["7b_fp32_does_not_fit", "cpu_informative"])
+def test_the_plan_table_renders_served_plans(name):
+    from rich.console import Console
+
+    from service.views.plan_table import render
+
+    plan = Plan.model_validate(next(c["plan"] for c in CASES if c["name"] == name))
+    console = Console(record=True, width=160)
+    render(plan, console)
+    text = console.export_text()
+    assert plan.model.name in text and "total" in text
+    assert ("does not fit" in text and "changes that would fit" in text) if not plan.fits else "nothing to fit into" in text
