@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from service.domain.errors import ErrorInfo, FailureInfo
-from service.domain.plan import CATEGORIES, CHARTED, COMPARED, LABELS, Breakdown, Plan, read_plan
+from service.domain.plan import (
+    CATEGORIES,
+    CHARTED,
+    COMPARED,
+    LABELS,
+    Breakdown,
+    Plan,
+    read_plan,
+)
 from service.domain.spec import validate_spec
 from service.memory.preflight import DoesNotFit, plan_for_spec, preflight
 from service.settings import Settings

@@ -153,9 +153,10 @@ def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | 
     update: dict[str, Any] = {
         "model": ModelInfo(name=spec.model, source=resolved.source, **resolved.shape.to_dict())}
     if p.gpu is None and spec.training.resources.host_memory_budget_bytes is None:
-        update.update(fits=True, capacity_bytes=None, usable_bytes=None, margin_bytes=None, assumptions=[
-            *p.assumptions, "no GPU named and no host memory budget: the plan is "
-            "informative (nothing to fit into), the job is never refused"])
+        informative = ("no GPU named and no host memory budget: the plan is informative (nothing to fit "
+                       "into), the job is never refused")
+        update.update(fits=True, capacity_bytes=None, usable_bytes=None, margin_bytes=None,
+                      assumptions=[*p.assumptions, informative])
     p = p.model_copy(update=update)
     changes = []
     if not p.fits:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.domain.presets import PRESETS
 from service.domain.plan import CHARTED, LABELS, Plan
+from service.domain.presets import PRESETS
 from service.views.dashboard import plan_capacity, suggestion_rows
 
 DEFAULTS = {
