@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from service.domain.errors import ErrorInfo, FailureInfo
+from service.domain.errors import DoesNotFit, ErrorInfo, FailureInfo, ValidationFailed
 from service.domain.plan import (
     CATEGORIES,
     CHARTED,
@@ -20,7 +20,7 @@ from service.domain.plan import (
     read_plan,
 )
 from service.domain.spec import validate_spec
-from service.memory.preflight import DoesNotFit, plan_for_spec, preflight
+from service.memory.preflight import plan_for_spec, preflight
 from service.settings import Settings
 
 CASES = json.loads((Path(__file__).parent / "data" / "plans_before_typed_plan.json").read_text())
@@ -111,7 +111,7 @@ def test_does_not_fit_carries_one_structured_error(settings):
 
 
 def test_validation_failed_stores_error_info_json(settings):
-    from service.scheduler.validate import ValidationFailed, memory_preflight
+    from service.scheduler.validate import memory_preflight
 
     assert ValidationFailed("file_missing", "gone", "training_file").error == {
         "code": "file_missing", "message": "gone", "param": "training_file", "details": {}}

@@ -15,3 +15,8 @@ def human_bytes(n: Any, missing: str = "-") -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def gib(n: int | None) -> str:
+    """Bytes in GiB with two decimals, as memory messages quote them; None -> '?'."""
+    return "?" if n is None else f"{n / 2**30:.2f} GiB"

@@ -10,9 +10,9 @@ from service.domain.spec import (
     JobSpec,
     check_rules,
 )
+from service.domain.units import gib
 from service.memory.preflight import (
     MAX_SUGGESTIONS,
-    _gib,
     _gpu_for,
     _suggestion,
     resolve_shape,
@@ -42,7 +42,7 @@ def oom_error(job, error: dict[str, Any], settings: Settings) -> dict[str, Any]:
     details["dominant_category"] = dominant
     message = error.get("message") or "out of memory"
     if dominant and cats.get(dominant) is not None:
-        message = (f"{message} — largest category: {dominant} ({_gib(cats[dominant])}); "
+        message = (f"{message} — largest category: {dominant} ({gib(cats[dominant])}); "
                    f"{len(suggestions)} suggested change(s) in error.details.suggestions")
     return {**error, "message": message[:8000], "details": details}
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.domain.errors import ErrorInfo, UnprocessableEntity
+from service.domain.errors import DoesNotFit, UnprocessableEntity
 from service.domain.plan import ModelInfo, Plan, Suggestion
 from service.domain.spec import (
     JobSpec,
@@ -43,6 +43,7 @@ from service.domain.spec import (
     check_rules,
     validate_spec,
 )
+from service.domain.units import gib
 from service.memory.compare import initial_summary
 from service.settings import Settings
 
@@ -52,32 +53,6 @@ PLAN_TRAINING_FILE = "file-plan-only"  # what POST /v1/memory/plan puts in a bod
 
 class UnknownModelShape(ValueError):
     """The planner cannot read the model's shape; the worker measures its memory instead."""
-
-
-class DoesNotFit(UnprocessableEntity):
-    """memory_policy=reject and the predicted per-rank peak is over the usable capacity."""
-
-    code, title = "insufficient_memory", "Insufficient memory"
-
-    def __init__(self, plan: Plan, *, reason: str = ""):
-        where = plan.gpu or "the host memory budget"
-        message = (f"predicted peak {_gib(plan.peak_bytes)} per rank does not fit {where}: "
-                   f"{_gib(plan.usable_bytes)} usable of {_gib(plan.capacity_bytes)} "
-                   f"(safety margin {plan.safety_margin:.0%})")
-        n = len(plan.suggestions)
-        message += f"; {n} change(s) that fit are in `suggestions`, cheapest first" if n else "; no change the planner knows fits"
-        super().__init__(message + reason, param="training")
-        self.plan = plan
-        stored = plan.model_dump(mode="json")
-        details = {"breakdown": stored["per_rank"], "suggestions": stored["suggestions"], "plan": stored}
-        # RFC 9457 extension members (api/errors.py adds them to the problem body).
-        self.extensions = details
-        # The scheduler's hook (service/scheduler/validate.py: memory_preflight) stores this on the job.
-        self.error = ErrorInfo(code=self.code, message=message, param="training", details=details)
-
-
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.2f} GiB"
 
 
 # --- the model's shape ------------------------------------------------------------------------
@@ -249,8 +224,8 @@ def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = Non
         raise DoesNotFit(plan)
     if policy == MemoryPolicy.ignore:
         return PreflightOutcome(spec, stored, [{
-            "message": f"memory pre-flight: predicted peak {_gib(plan.peak_bytes)} per rank exceeds the usable "
-                       f"{_gib(plan.usable_bytes)} of {plan.gpu or 'the host memory budget'}; running anyway "
+            "message": f"memory pre-flight: predicted peak {gib(plan.peak_bytes)} per rank exceeds the usable "
+                       f"{gib(plan.usable_bytes)} of {plan.gpu or 'the host memory budget'}; running anyway "
                        "(memory_policy=ignore)",
             "level": "warn",
             "data": {"memory_preflight": "ignored", "peak_bytes": plan.peak_bytes,
@@ -262,8 +237,8 @@ def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = Non
     changes = ", ".join(f"{k}={v}" for k, v in applied.spec_changes.items())
     return PreflightOutcome(chosen.spec, new_plan.model_dump(mode="json"), [{
         "message": f"memory pre-flight: applied {applied.change} ({applied.description}; {changes}): "
-                   f"predicted peak {_gib(plan.peak_bytes)} → {_gib(new_plan.peak_bytes)} per rank, "
-                   f"{_gib(new_plan.usable_bytes)} usable",
+                   f"predicted peak {gib(plan.peak_bytes)} → {gib(new_plan.peak_bytes)} per rank, "
+                   f"{gib(new_plan.usable_bytes)} usable",
         "data": {"memory_preflight": "auto", "applied": stored["suggestions"][0], "before_peak_bytes": plan.peak_bytes,
                  "after_peak_bytes": new_plan.peak_bytes}}], stored["suggestions"][0])
 

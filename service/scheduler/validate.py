@@ -8,22 +8,13 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from service.domain.errors import ErrorInfo
+from service.domain.errors import ErrorInfo, ValidationFailed
 from service.domain.presets import PRESET_PREFIX, PRESETS
 from service.domain.spec import JobSpec
 from service.settings import Settings
 from service.store.models import File, Job
 
 # --- validation ---------------------------------------------------------------------------------
-
-
-class ValidationFailed(Exception):
-    """The job fails validation; ``error`` is what ``jobs.error`` stores (ErrorInfo's JSON)."""
-
-    def __init__(self, code: str, message: str, param: str | None = None, details: dict | None = None):
-        super().__init__(message)
-        self.info = ErrorInfo(code=code, message=message, param=param, details=details or {})
-        self.error = self.info.model_dump(mode="json")
 
 
 def resolve_model(spec: JobSpec, settings: Settings) -> str | None:
