@@ -163,7 +163,7 @@ def _diff(a: Any, b: Any, prefix: str = "") -> dict[str, Any]:
 
 def plan_for_spec(spec: JobSpec, settings: Settings, gpu: str | None = None, *,
                   model_path: str | None = None) -> Plan:
-    """The plan JSON for ``spec``: ``fits``, parameter counts, per-rank ``device``/``host`` bytes by
+    """The plan of ``spec`` (service/domain/plan.py): ``fits``, parameter counts, per-rank ``device``/``host`` bytes by
     category with ``total``, capacity, margin, assumptions, and (when it does not fit) the ranked
     ``suggestions`` that fit, each with its predicted peak and the spec fields it changes."""
     return _plan(spec, settings, gpu, model_path)[0]
