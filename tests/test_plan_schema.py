@@ -178,3 +178,21 @@ def test_the_plan_table_renders_served_plans(name):
     text = console.export_text()
     assert plan.model.name in text and "total" in text
     assert ("does not fit" in text and "changes that would fit" in text) if not plan.fits else "nothing to fit into" in text
+
+
+def test_the_planner_page_shows_the_plan(client, tenant):
+    """/ui/planner renders the typed plan's rows (the browser test does the same through chromium)."""
+    import re
+
+    r = client.post("/ui/planner", headers=tenant.headers, data={"model": "meta-llama/Llama-2-7b-hf",
+                    "gpu": "a100-40gb", "precision": "fp32", "peft": "none", "micro_batch_size": "1"})
+    assert r.status_code == 200, r.text[:500]
+    rows = dict(re.findall(r'class="plan-row[^"]*" data-category="(\w+)" data-bytes="(\d*)"', r.text))
+    assert list(rows) == [*CHARTED, "total"]
+    body = {"model": "meta-llama/Llama-2-7b-hf", "training": {"precision": "fp32", "hyperparameters": {
+        "micro_batch_size": 1, "max_seq_length": 512}, "resources": {"gpus_per_worker": 1, "gpu_type": "a100-40gb"}}}
+    served = Plan.model_validate(client.post("/v1/memory/plan", headers=tenant.headers, json=body).json())
+    charted = served.charted()
+    assert {c: int(b) for c, b in rows.items()} == charted
+    listed = r.text.split('<ol id="suggestions">')[1].split("</ol>")[0]
+    assert "does not fit" in r.text and listed.count("<li>") == len(served.suggestions) > 0
