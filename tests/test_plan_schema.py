@@ -196,3 +196,24 @@ def test_the_planner_page_shows_the_plan(client, tenant):
     assert {c: int(b) for c, b in rows.items()} == charted
     listed = r.text.split('<ol id="suggestions">')[1].split("</ol>")[0]
     assert "does not fit" in r.text and listed.count("<li>") == len(served.suggestions) > 0
+
+
+def test_the_job_page_reads_the_stored_plan(client, tenant, create_job):
+    """A job created over its memory (memory_policy=ignore) stores the plan; its page data shows the
+    stored plan, its predicted categories and its suggestions."""
+    r = create_job(tenant, model="meta-llama/Llama-2-7b-hf", training={
+        "memory_policy": "ignore", "precision": "fp32",
+        "hyperparameters": {"micro_batch_size": 1, "max_seq_length": 512},
+        "resources": {"gpus_per_worker": 1, "gpu_type": "a100-40gb"}})
+    assert r.status_code == 200, r.text
+    job_id = r.json()["id"]
+    stored = client.get(f"/v1/fine_tuning/jobs/{job_id}/memory", headers=tenant.headers).json()
+    view = client.get(f"/ui/jobs/{job_id}/view.json", headers=tenant.headers).json()
+    assert view["plan"] == stored["plan"] and Plan.model_validate(view["plan"]).fits is False
+    assert view["comparison"]["has_plan"] is True and view["comparison"]["plan_source"] == "stored"
+    assert view["comparison"]["predicted"] == stored["predicted"]
+    assert view["memory"]["capacity_label"] == "a100-40gb capacity"
+    assert view["memory"]["categories"] == list(CHARTED)
+    assert view["suggestions"] == [{"change": s["description"], "predicted_peak_bytes": s["predicted_peak_bytes"],
+                                    "fits": s["fits"]} for s in stored["plan"]["suggestions"]]
+    assert view["suggestions"]
