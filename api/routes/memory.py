@@ -1,8 +1,9 @@
 """Memory truth over HTTP (issue 5): plan a job without creating it, and predicted vs measured for a job.
 
 - ``POST /v1/memory/plan`` takes the job-creation body (``training_file`` optional) and answers the
-  plan (service.memory.preflight.plan_for_spec; its schema is service.domain.plan.Plan): ``fits``, parameter counts, per-rank device/host bytes by
-  category, capacity, margin, assumptions and the ranked ``suggestions`` that fit. The GPU planned
+  plan (service.memory.preflight.plan_for_spec; its schema: service.domain.plan.Plan): ``fits``,
+  parameter counts, per-rank device/host bytes by category, capacity, margin, assumptions and the
+  ranked ``suggestions`` that fit. The GPU planned
   against is the query parameter ``gpu`` (a catalogue name such as ``a100-40gb``) when given, else the
   body's ``training.resources.gpu_type``; with neither, a CPU worker (its host memory budget, if any).
   The body stays exactly a create body, so the same JSON can be POSTed to /v1/fine_tuning/jobs.

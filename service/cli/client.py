@@ -207,7 +207,8 @@ def jobs_memory(job_id: str, api_url: str = ApiUrl, api_key: str = ApiKey, as_js
         table = Table("category", "predicted", "measured", "error", title=f"rank {rank}", title_justify="left")
         for row in rows:
             e = row.get("error")
-            table.add_row(row.get("label") or LABELS.get(row["category"], row["category"]), mib(row.get("predicted_bytes")),
+            label = row.get("label") or LABELS.get(row["category"], row["category"])
+            table.add_row(label, mib(row.get("predicted_bytes")),
                           mib(row.get("measured_bytes")), "-" if e is None else f"{e * 100:+.1f}%")
         console.print(table)
     if report.get("capacity_bytes"):

@@ -173,7 +173,8 @@ class DoesNotFit(UnprocessableEntity):
                    f"{gib(plan.usable_bytes)} usable of {gib(plan.capacity_bytes)} "
                    f"(safety margin {plan.safety_margin:.0%})")
         n = len(plan.suggestions)
-        message += f"; {n} change(s) that fit are in `suggestions`, cheapest first" if n else "; no change the planner knows fits"
+        message += (f"; {n} change(s) that fit are in `suggestions`, cheapest first" if n
+                    else "; no change the planner knows fits")
         super().__init__(message + reason, param="training")
         self.plan = plan
         stored = plan.model_dump(mode="json")
