@@ -271,7 +271,7 @@ def predict(case: Case) -> dict:
 
     spec = JobSpec.model_validate(case.spec_body())
     p = plan(spec, shape_for_model(resolve_model(spec.model, ())), None)
-    return p.to_dict()
+    return p.model_dump(mode="json")
 
 
 def measured_categories(rank: dict) -> dict[str, int]:

@@ -1,8 +1,9 @@
 """Memory truth over HTTP (issue 5): plan a job without creating it, and predicted vs measured for a job.
 
 - ``POST /v1/memory/plan`` takes the job-creation body (``training_file`` optional) and answers the
-  plan (service.memory.preflight.plan_for_spec): ``fits``, parameter counts, per-rank device/host bytes by
-  category, capacity, margin, assumptions and the ranked ``suggestions`` that fit. The GPU planned
+  plan (service.memory.preflight.plan_for_spec; its schema: service.domain.plan.Plan): ``fits``,
+  parameter counts, per-rank device/host bytes by category, capacity, margin, assumptions and the
+  ranked ``suggestions`` that fit. The GPU planned
   against is the query parameter ``gpu`` (a catalogue name such as ``a100-40gb``) when given, else the
   body's ``training.resources.gpu_type``; with neither, a CPU worker (its host memory budget, if any).
   The body stays exactly a create body, so the same JSON can be POSTed to /v1/fine_tuning/jobs.
@@ -18,13 +19,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Request
 
 from api.deps import PrincipalDep, ReadSessionDep, SettingsDep
+from service.domain.plan import Plan
 from service.jobs.crud import get_job_memory
 from service.memory import preflight
 
 router = APIRouter(tags=["memory"])
 
 
-@router.post("/v1/memory/plan", summary="Predict a job's per-rank memory without creating it",
+@router.post("/v1/memory/plan", summary="Predict a job's per-rank memory without creating it", response_model=Plan,
              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                  "schema": {"$ref": "#/components/schemas/JobSpec"}}}}})  # api/app.py adds JobSpec
 def plan_memory(
@@ -34,7 +36,7 @@ def plan_memory(
     body: Annotated[Any, Body(description="The job-creation body (JobSpec); training_file is optional.")],
     gpu: Annotated[str | None, Query(description="Plan for this GPU (catalogue name, e.g. a100-40gb) "
                                                  "instead of training.resources.gpu_type.")] = None,
-) -> dict[str, Any]:
+) -> Plan:
     return preflight.plan_request(body, settings, gpu=gpu, known_gpus=request.app.state.known_gpus)
 
 

@@ -189,7 +189,7 @@ def memory_report(http: httpx.Client, job_id: str) -> dict:
 @jobs_app.command("memory")
 def jobs_memory(job_id: str, api_url: str = ApiUrl, api_key: str = ApiKey, as_json: bool = Json) -> None:
     """Predicted vs measured memory per rank and category, with the error."""
-    from service.views.dashboard import COMPARED_LABELS
+    from service.domain.plan import LABELS
     with client(api_url, api_key) as http:
         try:
             report = memory_report(http, job_id)
@@ -207,7 +207,8 @@ def jobs_memory(job_id: str, api_url: str = ApiUrl, api_key: str = ApiKey, as_js
         table = Table("category", "predicted", "measured", "error", title=f"rank {rank}", title_justify="left")
         for row in rows:
             e = row.get("error")
-            table.add_row(row.get("label") or COMPARED_LABELS.get(row["category"], row["category"]), mib(row.get("predicted_bytes")),
+            label = row.get("label") or LABELS.get(row["category"], row["category"])
+            table.add_row(label, mib(row.get("predicted_bytes")),
                           mib(row.get("measured_bytes")), "-" if e is None else f"{e * 100:+.1f}%")
         console.print(table)
     if report.get("capacity_bytes"):
@@ -395,27 +396,23 @@ def plan_command(spec: Path = typer.Argument(..., exists=True, dir_okay=False, h
                  api_key: str = typer.Option(None, "--api-key", envvar="MEMFIT_API_KEY"),
                  as_json: bool = Json) -> None:
     """Predict a job's memory per worker without running it (the API's planner, else the local one)."""
-    from service.views.dashboard import (
-        CATEGORIES,
-        CATEGORY_LABELS,
-        plan_breakdown,
-        plan_capacity,
-        plan_suggestions,
-    )
+    from service.domain.plan import Plan
+    from service.views.plan_table import render
 
     body = load_spec(spec)
     if gpu:
         res = body.setdefault("training", {}).setdefault("resources", {})
         res["gpu_type"] = gpu
         res.setdefault("gpus_per_worker", 1)
-    plan = None
+    plan: Plan | None = None
     if api_url and (api_key or os.environ.get("MEMFIT_API_KEY")):
         with client(api_url, api_key) as http:
             r = http.post("/v1/memory/plan", json=body)
             if r.status_code not in (404, 405):
-                plan = r.json()
-                if r.status_code >= 400 and not ("fits" in plan or "details" in plan):
-                    _fail(ApiError(r.status_code, plan))
+                served = r.json()
+                if r.status_code >= 400:
+                    _fail(ApiError(r.status_code, served))
+                plan = Plan.model_validate(served)
     if plan is None:
         from service.views.plan_page import PlannerUnavailable, plan_body
 
@@ -432,29 +429,6 @@ def plan_command(spec: Path = typer.Argument(..., exists=True, dir_okay=False, h
                 err.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
     if as_json:
-        _print_json(plan)
+        _print_json(plan.model_dump(mode="json"))
         return
-    try:
-        from service.memory.planner import (
-            render,  # the planner's own table: one rendering of a plan
-        )
-    except ImportError:
-        render = None
-    if render is not None and isinstance(plan, dict) and "per_rank" in plan:
-        render(plan, console)
-        return
-    breakdown = plan_breakdown(plan) or {}
-    capacity, label = plan_capacity(plan)
-    fits = plan.get("fits") if isinstance(plan, dict) else None
-    table = Table("category", "per worker (device)", title=f"{body.get('model')}" + (f" on {label or gpu}" if (label or gpu) else ""),
-                  title_justify="left")
-    for c in CATEGORIES:
-        table.add_row(CATEGORY_LABELS[c], mib(breakdown.get(c)))
-    table.add_row("[bold]total[/bold]", f"[bold]{mib(breakdown.get('total'))}[/bold]")
-    console.print(table)
-    if capacity:
-        console.print(f"capacity {mib(capacity)}")
-    if fits is not None:
-        console.print("[green]fits[/green]" if fits else "[red]does not fit[/red]")
-    for s in plan_suggestions(plan):
-        console.print(f"  try: {s['change']}" + (f" → {mib(s['predicted_peak_bytes'])}" if s.get("predicted_peak_bytes") else ""))
+    render(plan, console)

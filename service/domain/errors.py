@@ -3,11 +3,39 @@
 Every error carries what the HTTP layer needs and nothing HTTP-specific beyond the status number:
 a stable machine-readable ``code``, the offending ``param`` (dotted path, or None), optional
 ``errors`` (several problems reported together) and an OpenAI error ``type``.
+
+:class:`ErrorInfo` is the structured error a failed job stores (``jobs.error``):
+``{code, message, param, details}``; a worker's failure adds where it happened
+(:class:`FailureInfo`: ``rank``, ``step``, ``phase``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, Field
+
+from service.domain.units import gib
+
+if TYPE_CHECKING:
+    from service.domain.plan import Plan
+
+
+class ErrorInfo(BaseModel):
+    """A job's structured error, as ``jobs.error`` stores it: ``error.model_dump(mode="json")``."""
+
+    code: str = Field(description="Stable, machine-readable: insufficient_memory, invalid_file, …")
+    message: str
+    param: str | None = Field(None, description="The offending field (dotted path), or None.")
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class FailureInfo(ErrorInfo):
+    """A failure reported by the workers: an ErrorInfo and where it happened."""
+
+    rank: int | None = None
+    step: int | None = None
+    phase: str | None = None
 
 
 class DomainError(Exception):
@@ -131,3 +159,37 @@ class IdempotencyMismatch(UnprocessableEntity):
 
 class PayloadTooLarge(DomainError):
     status, code, title = 413, "file_too_large", "Payload too large"
+
+
+class DoesNotFit(UnprocessableEntity):
+    """memory_policy=reject (or auto with nothing to apply) and the predicted per-rank peak is over
+    the usable capacity. Carries the plan, its breakdown and the ranked changes that fit."""
+
+    code, title = "insufficient_memory", "Insufficient memory"
+
+    def __init__(self, plan: Plan, *, reason: str = ""):
+        where = plan.gpu or "the host memory budget"
+        message = (f"predicted peak {gib(plan.peak_bytes)} per rank does not fit {where}: "
+                   f"{gib(plan.usable_bytes)} usable of {gib(plan.capacity_bytes)} "
+                   f"(safety margin {plan.safety_margin:.0%})")
+        n = len(plan.suggestions)
+        message += (f"; {n} change(s) that fit are in `suggestions`, cheapest first" if n
+                    else "; no change the planner knows fits")
+        super().__init__(message + reason, param="training")
+        self.plan = plan
+        stored = plan.model_dump(mode="json")
+        details = {"breakdown": stored["per_rank"], "suggestions": stored["suggestions"], "plan": stored}
+        # RFC 9457 extension members (api/errors.py adds them to the problem body).
+        self.extensions = details
+        # What the scheduler stores on the job when validation refuses it (ValidationFailed below).
+        self.error = ErrorInfo(code=self.code, message=message, param="training", details=details)
+
+
+class ValidationFailed(Exception):
+    """A job in validating_files fails (service/scheduler/validate.py); ``error`` is what
+    ``jobs.error`` stores: ErrorInfo's JSON."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, details: dict | None = None):
+        super().__init__(message)
+        self.info = ErrorInfo(code=code, message=message, param=param, details=details or {})
+        self.error = self.info.model_dump(mode="json")

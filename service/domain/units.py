@@ -22,3 +22,8 @@ def human_bytes(n: Any, missing: str = "-", *, unit: str | None = None, digits: 
             return f"{n:.0f} {u}" if u == "B" else f"{n:.{digits}f} {u}"
         n /= 1024
     return str(n)
+
+
+def gib(n: int | None) -> str:
+    """Bytes in GiB with two decimals, as memory messages quote them; None -> '?'."""
+    return human_bytes(n, "?", unit="GiB", digits=2)

@@ -33,7 +33,13 @@ from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.domain.errors import Conflict, DomainError, JobNotFound, StaleAttempt
+from service.domain.errors import (
+    Conflict,
+    DomainError,
+    FailureInfo,
+    JobNotFound,
+    StaleAttempt,
+)
 from service.domain.records import (
     CheckpointRecord,
     EventRecord,
@@ -202,8 +208,8 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
         )
         status, new = JobStatus.succeeded.value, new + 1
     elif isinstance(ending, FailureRecord):
-        error = {"code": ending.code, "message": ending.message, "param": ending.param, "rank": ending.rank,
-                 "step": ending.step, "phase": ending.phase, "details": ending.details}
+        error = FailureInfo(code=ending.code, message=ending.message, param=ending.param, rank=ending.rank,
+                            step=ending.step, phase=ending.phase, details=ending.details).model_dump(mode="json")
         if ending.code == "out_of_memory":  # + dominant category and the planner's suggestions
             error = oom_error(job, error, settings)
         transition(session, job.id, JobStatus.failed, expected_attempt=attempt, error=error,

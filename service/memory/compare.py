@@ -15,30 +15,26 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from service.domain.plan import COMPARED, MODEL_STATES, read_plan
+
 STEADY_STATE_STEP = 3  # the planner predicts a steady-state step: the optimizer states exist from step 2
-COMPARED = ("parameters", "gradients", "optimizer_states", "activations", "temporary", "total")
 
 
 # --- predicted vs measured ----------------------------------------------------------------------
 
 
-def predicted_categories(plan: dict[str, Any] | None) -> dict[str, int] | None:
-    """The plan in the measured categories (module docstring): model states at full size on the rank,
-    activations, the peak of live tensors (minus the GPU overhead) and the rest as temporary."""
-    if not plan or "per_rank" not in plan:
+def predicted_categories(plan: Any) -> dict[str, int] | None:
+    """The plan (typed, or as stored) in the measured categories (module docstring): model states at
+    full size on the rank, activations, the peak of live tensors (minus the GPU overhead) and the rest
+    as temporary."""
+    p = read_plan(plan)
+    if p is None:
         return None
-    d, h = plan["per_rank"]["device"], plan["per_rank"]["host"]
-    states = plan.get("model_states") or {}
-    out = {}
-    for c in ("parameters", "gradients", "optimizer_states"):
-        if states:
-            out[c] = int(states["device"][c] + states["host"][c])
-        else:
-            out[c] = int(d[c] + h[c])
-    out["activations"] = int(d["activations"] + h["activations"])
-    out["total"] = int(plan["peak_bytes"] - (d.get("overhead", 0) if plan.get("gpu") else 0))
-    out["temporary"] = max(0, out["total"] - sum(out[c] for c in ("parameters", "gradients", "optimizer_states",
-                                                                   "activations")))
+    d, h, states = p.per_rank.device, p.per_rank.host, p.model_states
+    out = {c: getattr(states.device, c) + getattr(states.host, c) for c in MODEL_STATES}
+    out["activations"] = d.activations + h.activations
+    out["total"] = p.peak_bytes - (d.overhead if p.gpu else 0)
+    out["temporary"] = max(0, out["total"] - sum(out[c] for c in (*MODEL_STATES, "activations")))
     return {c: out[c] for c in COMPARED}
 
 
@@ -125,18 +121,19 @@ def job_memory_view(job, samples: list[Any]) -> dict[str, Any]:
     }
 
 
-def initial_summary(plan: dict[str, Any] | None) -> dict[str, Any] | None:
+def initial_summary(plan: Any) -> dict[str, Any] | None:
     """The short ``memory`` object on a job before anything is measured."""
-    if plan is None:
+    p = read_plan(plan)
+    if p is None:
         return None
-    predicted = predicted_categories(plan)
+    predicted = predicted_categories(p)
     return {
-        "fits": plan["fits"],
-        "gpu": plan.get("gpu"),
-        "predicted_peak_bytes": plan["peak_bytes"],
+        "fits": p.fits,
+        "gpu": p.gpu,
+        "predicted_peak_bytes": p.peak_bytes,
         "predicted_live_peak_bytes": predicted["total"] if predicted else None,
-        "capacity_bytes": plan.get("capacity_bytes"),
-        "usable_bytes": plan.get("usable_bytes"),
+        "capacity_bytes": p.capacity_bytes,
+        "usable_bytes": p.usable_bytes,
         "measured_peak_bytes": None,
         "measured_rank": None,
         "measured_step": None,

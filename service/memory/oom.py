@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from service.domain.plan import read_plan
 from service.domain.spec import (
     JobSpec,
     check_rules,
 )
+from service.domain.units import gib
 from service.memory.preflight import (
     MAX_SUGGESTIONS,
-    _gib,
     _gpu_for,
-    _suggestion_dict,
+    _suggestion,
     resolve_shape,
 )
 from service.settings import Settings
@@ -25,10 +26,11 @@ def oom_error(job, error: dict[str, Any], settings: Settings) -> dict[str, Any]:
     changes that lower the predicted peak the most)."""
     details = dict(error.get("details") or {})
     details.pop("plan", None)  # the job's plan is on the job (and in GET …/memory); keep the error short
-    if job.plan is not None:
-        details["predicted"] = {"per_rank": job.plan.get("per_rank"), "peak_bytes": job.plan.get("peak_bytes"),
-                                "fits": job.plan.get("fits"), "capacity_bytes": job.plan.get("capacity_bytes")}
-    suggestions = list((job.plan or {}).get("suggestions") or [])
+    plan = read_plan(job.plan)
+    if plan is not None:
+        details["predicted"] = {"per_rank": plan.per_rank.model_dump(mode="json"), "peak_bytes": plan.peak_bytes,
+                                "fits": plan.fits, "capacity_bytes": plan.capacity_bytes}
+    suggestions = [s.model_dump(mode="json") for s in plan.suggestions] if plan is not None else []
     if not suggestions:
         try:
             suggestions = _reductions(JobSpec.model_validate(job.spec), settings)
@@ -40,7 +42,7 @@ def oom_error(job, error: dict[str, Any], settings: Settings) -> dict[str, Any]:
     details["dominant_category"] = dominant
     message = error.get("message") or "out of memory"
     if dominant and cats.get(dominant) is not None:
-        message = (f"{message} — largest category: {dominant} ({_gib(cats[dominant])}); "
+        message = (f"{message} — largest category: {dominant} ({gib(cats[dominant])}); "
                    f"{len(suggestions)} suggested change(s) in error.details.suggestions")
     return {**error, "message": message[:8000], "details": details}
 
@@ -63,6 +65,6 @@ def _reductions(spec: JobSpec, settings: Settings) -> list[dict[str, Any]]:
         except Exception:  # noqa: BLE001 - a change the spec rules refuse is not offered
             continue
         if p.peak_bytes < base.peak_bytes:
-            out.append(planner.Suggestion(name, desc, cost, p, s2))
+            out.append(planner.Change(name, desc, cost, p, s2))
     out.sort(key=lambda x: (x.plan.peak_bytes, x.cost))
-    return [_suggestion_dict(i + 1, spec, x) for i, x in enumerate(out[:MAX_SUGGESTIONS])]
+    return [_suggestion(i + 1, spec, x).model_dump(mode="json") for i, x in enumerate(out[:MAX_SUGGESTIONS])]

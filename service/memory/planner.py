@@ -26,90 +26,23 @@ figures are the fullest rank's: the one that runs out of memory first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from service.domain.plan import (
+    Breakdown,
+    ModelStates,
+    ModelStatesPerRank,
+    PerRank,
+    Plan,
+)
 from service.domain.spec import JobSpec, PeftMethod, Precision, StrategyName
-from service.domain.units import human_bytes
 from service.memory.gpus import GPU, MiB, get_gpu
 from service.memory.shape import ModelShape
 
-CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporary", "overhead")
 DEFAULT_HOST_BYTES = 16 * 2**30  # a CPU worker's memory when no host budget is given
 CPU_RUNTIME_BYTES = 600 * MiB  # RSS of a torch + transformers worker process before any tensor (measured)
 DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000  # ZeRO-3 keeps gathered params reused within this many elements
-
-
-@dataclass
-class Breakdown:
-    """Bytes live at the predicted peak instant, by category; ``total`` is the peak.
-
-    The full sizes of the model states (e.g. all gradients, even when the peak comes in forward
-    before any exist) are in ``Plan.state`` / ``model_states`` in the JSON."""
-
-    parameters: int = 0
-    gradients: int = 0
-    optimizer_states: int = 0
-    activations: int = 0
-    temporary: int = 0
-    overhead: int = 0
-
-    @property
-    def total(self) -> int:
-        return sum(getattr(self, c) for c in CATEGORIES)
-
-    def to_dict(self) -> dict[str, int]:
-        d = {c: int(getattr(self, c)) for c in CATEGORIES}
-        d["total"] = int(self.total)
-        return d
-
-
-@dataclass
-class Plan:
-    fits: bool
-    parameter_count: int
-    trainable_parameter_count: int
-    world_size: int
-    gpu: str | None
-    capacity_bytes: int
-    usable_bytes: int
-    safety_margin: float
-    device: Breakdown
-    host: Breakdown
-    peak_phase: str
-    phases: dict[str, int]
-    assumptions: list[str] = field(default_factory=list)
-    runtime_bytes: int = 0  # CPU workers: process memory that is not tensors
-    state: dict[str, dict[str, int]] = field(default_factory=dict)  # full model-state sizes per place
-    activations_saved_bytes: int = 0  # what forward keeps for backward (at its end), whatever the peak phase
-
-    @property
-    def peak_bytes(self) -> int:
-        """The device peak per rank; on CPU workers offloaded state shares the RAM and is added."""
-        return self.device.total + (self.host.total if self.gpu is None else 0)
-
-    def to_dict(self) -> dict[str, Any]:
-        per_rank = {"device": self.device.to_dict(), "host": self.host.to_dict()}
-        return {
-            "fits": self.fits,
-            "parameter_count": self.parameter_count,
-            "trainable_parameter_count": self.trainable_parameter_count,
-            "world_size": self.world_size,
-            "gpu": self.gpu,
-            "capacity_bytes": self.capacity_bytes,
-            "usable_bytes": self.usable_bytes,
-            "safety_margin": self.safety_margin,
-            "peak_bytes": self.peak_bytes,
-            "peak_phase": self.peak_phase,
-            "per_rank": per_rank,
-            "device": per_rank["device"],
-            "host": per_rank["host"],
-            "phases": dict(self.phases),
-            "runtime_bytes": self.runtime_bytes,
-            "model_states": self.state,
-            "activations_saved_bytes": self.activations_saved_bytes,
-            "assumptions": list(self.assumptions),
-        }
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -435,10 +368,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     act = activations(shape, b, s, regime, targets, t.peft.r, t.attention,
                       zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3)
     A = act.saved(t.gradient_checkpointing)
-    state = {"device": {"parameters": dev.parameters, "gradients": dev.gradients,
-                        "optimizer_states": dev.optimizer_states},
-             "host": {"parameters": host.parameters, "gradients": host.gradients,
-                      "optimizer_states": host.optimizer_states}}
+    state = ModelStatesPerRank(
+        device=ModelStates(parameters=dev.parameters, gradients=dev.gradients, optimizer_states=dev.optimizer_states),
+        host=ModelStates(parameters=host.parameters, gradients=host.gradients, optimizer_states=host.optimizer_states))
     dev_state = dev.parameters + dev.optimizer_states  # live on the device all step long
     host_state = host.parameters + host.gradients + host.optimizer_states
     shared = 0 if on_gpu else host_state  # a CPU worker's "device" is the same RAM as its host
@@ -486,9 +418,12 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     assumptions.append(f"fits when the predicted peak ≤ capacity × (1 − {safety_margin:.2f})")
     return Plan(
         fits=fits, parameter_count=P, trainable_parameter_count=Pt, world_size=N, gpu=g.name if g else None,
-        capacity_bytes=capacity, usable_bytes=usable, safety_margin=safety_margin, device=dev, host=host,
-        peak_phase=peak_phase, phases=phases, assumptions=assumptions, runtime_bytes=runtime, state=state,
-        activations_saved_bytes=A,
+        capacity_bytes=capacity, usable_bytes=usable, safety_margin=safety_margin,
+        # on CPU workers offloaded state shares the RAM with the "device" and is added
+        peak_bytes=dev.total + (0 if on_gpu else host.total), peak_phase=peak_phase,
+        per_rank=PerRank(device=dev, host=host), phases=phases, runtime_bytes=runtime, model_states=state,
+        activations_saved_bytes=A, assumptions=assumptions, margin_bytes=usable - need, need_bytes=need,
+        memory_policy=t.memory_policy,
     )
 
 
@@ -537,23 +472,14 @@ def _largest_trainable(shape: ModelShape, targets: set[str] | None, r: int) -> i
 
 
 @dataclass
-class Suggestion:
+class Change:
+    """A change the planner tried: its name, what it does, its cost, the changed spec and its plan."""
+
     change: str
     description: str
     cost: int  # lower is cheaper: speed or quality given up
     plan: Plan
     spec: JobSpec
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "change": self.change,
-            "description": self.description,
-            "cost": self.cost,
-            "predicted_peak_bytes": self.plan.peak_bytes,
-            "fits": self.plan.fits,
-            "plan": self.plan.to_dict(),
-            "spec": self.spec.model_dump(mode="json"),
-        }
 
 
 def _patched(spec: JobSpec, patch: dict[str, Any]) -> JobSpec:
@@ -620,13 +546,13 @@ def _candidates(spec: JobSpec, gpu: str | None) -> list[tuple[str, str, int, dic
 
 
 def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
-            limit: int = 8) -> list[Suggestion]:
+            limit: int = 8) -> list[Change]:
     """Changes that would make ``spec`` fit, cheapest first, each with its predicted peak.
 
     Single changes first; when none fits alone, cumulative combinations in cost order (e.g. bf16,
     then + checkpointing, then + LoRA), so the list always ends in something that fits if anything does.
     """
-    found: list[Suggestion] = []
+    found: list[Change] = []
     singles = []
     for name, desc, cost, patch in _candidates(spec, gpu):
         try:
@@ -636,7 +562,7 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
             continue
         singles.append((name, desc, cost, patch, p))
         if p.fits:
-            found.append(Suggestion(name, desc, cost, p, s2))
+            found.append(Change(name, desc, cost, p, s2))
     # Combinations: add cheap changes one at a time (greedy by cost) on top of each other.
     ordered = sorted(singles, key=lambda x: (x[2], x[4].peak_bytes))
     combo_patch: dict[str, Any] = {}
@@ -657,74 +583,13 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
         combo_patch, cost_sum = trial, cost_sum + cost
         names.append(name)
         if len(names) > 1 and p.fits:
-            found.append(Suggestion("+".join(names), " + ".join(names), cost_sum, p, s2))
+            found.append(Change("+".join(names), " + ".join(names), cost_sum, p, s2))
             break
     found.sort(key=lambda s: (s.cost, s.plan.peak_bytes))
-    unique: list[Suggestion] = []
+    unique: list[Change] = []
     seen = set()
     for s in found:
         if s.change not in seen:
             seen.add(s.change)
             unique.append(s)
     return unique[:limit]
-
-
-def auto_fix(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10
-             ) -> Suggestion | None:
-    """The cheapest change that fits, or None when the spec already fits or nothing does."""
-    if plan(spec, shape, gpu, safety_margin=safety_margin).fits:
-        return None
-    options = suggest(spec, shape, gpu, safety_margin=safety_margin)
-    return options[0] if options else None
-
-
-def plan_for_spec(spec: JobSpec, gpu: str | None = None, *, model_path: str | None = None,
-                  safety_margin: float = 0.10) -> dict[str, Any]:
-    """The JSON the API and CLI return: the plan, and when it does not fit, the ranked suggestions."""
-    from service.domain.model_ref import resolve_model
-    from service.memory.shape import shape_for_model
-
-    shape = shape_for_model(resolve_model(spec.model, (), model_path=model_path))
-    p = plan(spec, shape, gpu, safety_margin=safety_margin)
-    out = p.to_dict()
-    out["model"] = {"name": spec.model, **shape.to_dict()}
-    out["suggestions"] = [] if p.fits else [s.to_dict() for s in suggest(spec, shape, gpu, safety_margin=safety_margin)]
-    return out
-
-
-# --- rendering -----------------------------------------------------------------------------------
-
-
-def _fmt(n: int) -> str:
-    return human_bytes(n, unit="GiB", digits=2) if abs(n) >= 2**30 else human_bytes(n, unit="MiB")
-
-
-def render(plan_dict: dict[str, Any], console=None) -> None:
-    """A readable table of a plan (``plan_for_spec`` output) with rich, for ``memfit plan``."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    d, h = plan_dict["per_rank"]["device"], plan_dict["per_rank"]["host"]
-    where = plan_dict["gpu"] or "CPU worker"
-    verdict = "[green]fits[/green]" if plan_dict["fits"] else "[red]does not fit[/red]"
-    title = (f"{plan_dict.get('model', {}).get('name', 'model')} on {where} × {plan_dict['world_size']}: {verdict} "
-             f"(peak {_fmt(plan_dict['peak_bytes'])} of {_fmt(plan_dict['usable_bytes'])} usable, "
-             f"{plan_dict['parameter_count']:,} params, {plan_dict['trainable_parameter_count']:,} trainable)")
-    table = Table(title=title)
-    table.add_column("per rank")
-    table.add_column("device", justify="right")
-    table.add_column("host", justify="right")
-    for c in (*CATEGORIES, "total"):
-        table.add_row(c, _fmt(d[c]), _fmt(h[c]))
-    console.print(table)
-    for a in plan_dict.get("assumptions", []):
-        console.print(f"  · {a}")
-    if plan_dict.get("suggestions"):
-        st = Table(title="changes that would fit, cheapest first")
-        st.add_column("change")
-        st.add_column("what")
-        st.add_column("predicted peak", justify="right")
-        for s in plan_dict["suggestions"]:
-            st.add_row(s["change"], s["description"], _fmt(s["predicted_peak_bytes"]))
-        console.print(st)

@@ -8,7 +8,8 @@ workers measure.
   preset's config dict, a directory under ``MEMFIT_MODEL_DIRS`` → its ``config.json``, a hub id → the
   planner's known shapes. Anything else is :class:`UnknownModelShape`: the job still runs and its memory
   is only measured.
-- :func:`plan_for_spec` — the plan JSON (``POST /v1/memory/plan``, stored as ``jobs.plan``).
+- :func:`plan_for_spec` — the typed plan (service/domain/plan.py; ``POST /v1/memory/plan``, stored
+  as ``jobs.plan``).
   Capacity: the named GPU (the ``gpu`` override, else ``training.resources.gpu_type``); with no GPU
   named (CPU workers) only ``host_memory_budget_bytes`` is a capacity, and without one the plan is
   informative: it always fits and ``capacity_bytes`` is null.
@@ -33,8 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.domain.errors import UnprocessableEntity
+from service.domain.errors import DoesNotFit, UnprocessableEntity
 from service.domain.model_ref import ModelRefError, resolve_model
+from service.domain.plan import ModelInfo, Plan, Suggestion
 from service.domain.spec import (
     JobSpec,
     MemoryPolicy,
@@ -42,7 +44,7 @@ from service.domain.spec import (
     check_rules,
     validate_spec,
 )
-from service.domain.units import human_bytes
+from service.domain.units import gib
 from service.settings import Settings
 
 MAX_SUGGESTIONS = 6
@@ -51,32 +53,6 @@ PLAN_TRAINING_FILE = "file-plan-only"  # what POST /v1/memory/plan puts in a bod
 
 class UnknownModelShape(ValueError):
     """The planner cannot read the model's shape; the worker measures its memory instead."""
-
-
-class DoesNotFit(UnprocessableEntity):
-    """memory_policy=reject and the predicted per-rank peak is over the usable capacity."""
-
-    code, title = "insufficient_memory", "Insufficient memory"
-
-    def __init__(self, plan: dict[str, Any], *, reason: str = ""):
-        where = plan.get("gpu") or "the host memory budget"
-        message = (f"predicted peak {_gib(plan['peak_bytes'])} per rank does not fit {where}: "
-                   f"{_gib(plan['usable_bytes'])} usable of {_gib(plan['capacity_bytes'])} "
-                   f"(safety margin {plan['safety_margin']:.0%})")
-        n = len(plan.get("suggestions") or [])
-        message += f"; {n} change(s) that fit are in `suggestions`, cheapest first" if n else "; no change the planner knows fits"
-        super().__init__(message + reason, param="training")
-        self.plan = plan
-        # RFC 9457 extension members (api/errors.py adds them to the problem body).
-        self.extensions = {"breakdown": plan["per_rank"], "suggestions": plan.get("suggestions") or [], "plan": plan}
-        # The scheduler's hook (service/scheduler/validate.py: memory_preflight) reads this shape.
-        self.error = {"code": self.code, "message": message, "param": "training",
-                      "details": {"breakdown": plan["per_rank"], "suggestions": plan.get("suggestions") or [],
-                                  "plan": plan}}
-
-
-def _gib(n: int | None) -> str:
-    return human_bytes(n, "?", unit="GiB", digits=2)  # the API's messages: GiB, two decimals
 
 
 # --- the model's shape ------------------------------------------------------------------------
@@ -111,7 +87,7 @@ def _gpu_for(spec: JobSpec, gpu: str | None) -> str | None:
 
 
 def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | None = None):
-    """(plan dict, suggestions as planner objects). Raises UnknownModelShape, UnknownGPU."""
+    """(the plan, its suggestions as the planner's Changes). Raises UnknownModelShape, UnknownGPU."""
     from service.memory import planner
     from service.memory.gpus import get_gpu
 
@@ -121,41 +97,30 @@ def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | 
         gpu = get_gpu(gpu).name  # UnknownGPU names the catalogue
     margin = settings.memory_safety_margin
     p = planner.plan(spec, resolved.shape, gpu, safety_margin=margin)
-    out = p.to_dict()
-    out["model"] = {"name": spec.model, "source": resolved.source, **resolved.shape.to_dict()}
-    need = p.device.total + (0 if p.gpu else p.host.total + p.runtime_bytes)
-    informative = p.gpu is None and spec.training.resources.host_memory_budget_bytes is None
-    if informative:
-        out.update(fits=True, capacity_bytes=None, usable_bytes=None, margin_bytes=None)
-        out["assumptions"] = [*out["assumptions"], "no GPU named and no host memory budget: the plan is "
-                              "informative (nothing to fit into), the job is never refused"]
-    else:
-        out["margin_bytes"] = p.usable_bytes - need  # headroom left under the usable capacity; < 0: short
-    out["need_bytes"] = need
-    out["memory_policy"] = spec.training.memory_policy.value
-    suggestions = []
-    if not out["fits"]:
-        suggestions = [s for s in planner.suggest(spec, resolved.shape, gpu, safety_margin=margin, limit=12)
-                       if s.plan.fits and not check_rules(s.spec)][:MAX_SUGGESTIONS]
-    out["suggestions"] = [_suggestion_dict(i + 1, spec, s) for i, s in enumerate(suggestions)]
-    return out, suggestions
+    update: dict[str, Any] = {
+        "model": ModelInfo(name=spec.model, source=resolved.source, **resolved.shape.to_dict())}
+    if p.gpu is None and spec.training.resources.host_memory_budget_bytes is None:
+        informative = ("no GPU named and no host memory budget: the plan is informative (nothing to fit "
+                       "into), the job is never refused")
+        update.update(fits=True, capacity_bytes=None, usable_bytes=None, margin_bytes=None,
+                      assumptions=[*p.assumptions, informative])
+    p = p.model_copy(update=update)
+    changes = []
+    if not p.fits:
+        changes = [s for s in planner.suggest(spec, resolved.shape, gpu, safety_margin=margin, limit=12)
+                   if s.plan.fits and not check_rules(s.spec)][:MAX_SUGGESTIONS]
+    p.suggestions = [_suggestion(i + 1, spec, c) for i, c in enumerate(changes)]
+    return p, changes
 
 
-def _suggestion_dict(rank: int, spec: JobSpec, s) -> dict[str, Any]:
-    """A planner Suggestion (change, description, cost, plan, spec) as JSON: its predicted peak and
-    the spec fields it changes."""
-    return {
-        "rank": rank,
-        "change": s.change,
-        "description": s.description,
-        "cost": s.cost,
-        "fits": s.plan.fits,
-        "predicted_peak_bytes": s.plan.peak_bytes,
-        "usable_bytes": s.plan.usable_bytes,
-        "device_total_bytes": s.plan.device.total,
-        "host_total_bytes": s.plan.host.total,
-        "spec_changes": _diff(spec.model_dump(mode="json"), s.spec.model_dump(mode="json")),
-    }
+def _suggestion(rank: int, spec: JobSpec, c) -> Suggestion:
+    """A planner Change (change, description, cost, plan, spec) as the plan's Suggestion: its
+    predicted peak and the spec fields it changes."""
+    return Suggestion(
+        rank=rank, change=c.change, description=c.description, cost=c.cost, fits=c.plan.fits,
+        predicted_peak_bytes=c.plan.peak_bytes, usable_bytes=c.plan.usable_bytes,
+        device_total_bytes=c.plan.device.total, host_total_bytes=c.plan.host.total,
+        spec_changes=_diff(spec.model_dump(mode="json"), c.spec.model_dump(mode="json")))
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> dict[str, Any]:
@@ -169,15 +134,15 @@ def _diff(a: Any, b: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def plan_for_spec(spec: JobSpec, settings: Settings, gpu: str | None = None, *,
-                  model_path: str | None = None) -> dict[str, Any]:
-    """The plan JSON for ``spec``: ``fits``, parameter counts, per-rank ``device``/``host`` bytes by
+                  model_path: str | None = None) -> Plan:
+    """The plan of ``spec`` (service/domain/plan.py): ``fits``, parameter counts, per-rank ``device``/``host`` bytes by
     category with ``total``, capacity, margin, assumptions, and (when it does not fit) the ranked
     ``suggestions`` that fit, each with its predicted peak and the spec fields it changes."""
     return _plan(spec, settings, gpu, model_path)[0]
 
 
 def plan_request(body: Any, settings: Settings, *, gpu: str | None = None,
-                 known_gpus: set[str] | None = None) -> dict[str, Any]:
+                 known_gpus: set[str] | None = None) -> Plan:
     """``POST /v1/memory/plan``: a create body (``training_file`` optional) → the plan. Raises
     SpecInvalid naming each bad field, UnprocessableEntity for an unknown GPU or model shape."""
     from service.domain.errors import BadRequest, SpecInvalid
@@ -204,7 +169,7 @@ def plan_request(body: Any, settings: Settings, *, gpu: str | None = None,
 @dataclass
 class PreflightOutcome:
     spec: JobSpec  # the spec to run: the submitted one, or auto's patched one
-    plan: dict[str, Any] | None  # what jobs.plan stores (None: model shape unknown)
+    plan: dict[str, Any] | None  # what jobs.plan stores, Plan.model_dump(mode="json") (None: model shape unknown)
     events: list[dict[str, Any]] = field(default_factory=list)  # add_event keyword dicts
     applied: dict[str, Any] | None = None  # auto: the suggestion applied
 
@@ -223,27 +188,29 @@ def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = Non
         return PreflightOutcome(spec, None, [{
             "message": f"memory pre-flight: {exc}; memory will be measured in the worker, not predicted",
             "level": "warn", "data": {"memory_preflight": "unknown_model_shape"}}])
-    if plan["fits"]:
-        return PreflightOutcome(spec, plan)
+    stored = plan.model_dump(mode="json")  # what jobs.plan keeps
+    if plan.fits:
+        return PreflightOutcome(spec, stored)
     policy = spec.training.memory_policy
     if policy == MemoryPolicy.reject:
         raise DoesNotFit(plan)
     if policy == MemoryPolicy.ignore:
-        return PreflightOutcome(spec, plan, [{
-            "message": f"memory pre-flight: predicted peak {_gib(plan['peak_bytes'])} per rank exceeds the usable "
-                       f"{_gib(plan['usable_bytes'])} of {plan['gpu'] or 'the host memory budget'}; running anyway "
+        return PreflightOutcome(spec, stored, [{
+            "message": f"memory pre-flight: predicted peak {gib(plan.peak_bytes)} per rank exceeds the usable "
+                       f"{gib(plan.usable_bytes)} of {plan.gpu or 'the host memory budget'}; running anyway "
                        "(memory_policy=ignore)",
             "level": "warn",
-            "data": {"memory_preflight": "ignored", "peak_bytes": plan["peak_bytes"],
-                     "usable_bytes": plan["usable_bytes"], "suggestions": plan["suggestions"]}}])
+            "data": {"memory_preflight": "ignored", "peak_bytes": plan.peak_bytes,
+                     "usable_bytes": plan.usable_bytes, "suggestions": stored["suggestions"]}}])
     if not options:  # auto, and nothing fits
         raise DoesNotFit(plan, reason=" (memory_policy=auto had nothing to apply)")
-    chosen, applied = options[0], plan["suggestions"][0]
+    chosen, applied = options[0], plan.suggestions[0]
     new_plan, _ = _plan(chosen.spec, settings, None, model_path)
-    changes = ", ".join(f"{k}={v}" for k, v in applied["spec_changes"].items())
-    return PreflightOutcome(chosen.spec, new_plan, [{
-        "message": f"memory pre-flight: applied {applied['change']} ({applied['description']}; {changes}): "
-                   f"predicted peak {_gib(plan['peak_bytes'])} → {_gib(new_plan['peak_bytes'])} per rank, "
-                   f"{_gib(new_plan['usable_bytes'])} usable",
-        "data": {"memory_preflight": "auto", "applied": applied, "before_peak_bytes": plan["peak_bytes"],
-                 "after_peak_bytes": new_plan["peak_bytes"]}}], applied)
+    changes = ", ".join(f"{k}={v}" for k, v in applied.spec_changes.items())
+    return PreflightOutcome(chosen.spec, new_plan.model_dump(mode="json"), [{
+        "message": f"memory pre-flight: applied {applied.change} ({applied.description}; {changes}): "
+                   f"predicted peak {gib(plan.peak_bytes)} → {gib(new_plan.peak_bytes)} per rank, "
+                   f"{gib(new_plan.usable_bytes)} usable",
+        "data": {"memory_preflight": "auto", "applied": stored["suggestions"][0], "before_peak_bytes": plan.peak_bytes,
+                 "after_peak_bytes": new_plan.peak_bytes}}], stored["suggestions"][0])
+

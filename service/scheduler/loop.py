@@ -56,7 +56,12 @@ from typing import Any, Callable
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.domain.errors import InvalidTransition, JobNotFound, StaleAttempt
+from service.domain.errors import (
+    ErrorInfo,
+    InvalidTransition,
+    JobNotFound,
+    StaleAttempt,
+)
 from service.domain.model_ref import resolve_model
 from service.domain.spec import JobSpec, RunRequest
 from service.domain.states import TERMINAL, JobStatus
@@ -542,7 +547,7 @@ class Scheduler:
         self._watch.pop(job_id, None)
 
     def _fail(self, job_id: str, attempt: int, code: str, message: str, details: dict | None = None) -> None:
-        error = {"code": code, "message": message, "param": None, "details": details or {}}
+        error = ErrorInfo(code=code, message=message, details=details or {}).model_dump(mode="json")
         metrics.SCHEDULER_FAILURES.labels(code).inc()  # /metrics
         self._finish(job_id, attempt, JobStatus.failed, error=error, lease_owner=None)
 

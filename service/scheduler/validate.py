@@ -7,6 +7,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from service.domain.errors import ErrorInfo, ValidationFailed
 from service.domain.model_ref import ModelRefError, resolve_model
 from service.domain.spec import JobSpec
 from service.settings import Settings
@@ -15,10 +16,6 @@ from service.store.models import File, Job
 # --- validation ---------------------------------------------------------------------------------
 
 
-class ValidationFailed(Exception):
-    def __init__(self, code: str, message: str, param: str | None = None, details: dict | None = None):
-        super().__init__(message)
-        self.error = {"code": code, "message": message, "param": param, "details": details or {}}
 
 
 def memory_preflight(spec: JobSpec, settings: Settings, model_path: str | None) -> dict | None:
@@ -36,16 +33,11 @@ def memory_preflight(spec: JobSpec, settings: Settings, model_path: str | None) 
         raise
     except Exception as exc:  # noqa: BLE001 - the planner's refusal, whatever its class
         error = getattr(exc, "error", None)
-        if isinstance(error, dict):
-            raise ValidationFailed(error.get("code", "does_not_fit"), error.get("message", str(exc)),
-                                   error.get("param"), error.get("details")) from exc
+        if isinstance(error, ErrorInfo):  # DoesNotFit: the breakdown, the suggestions and the plan
+            raise ValidationFailed(error.code, error.message, error.param, error.details) from exc
         code = getattr(exc, "code", None) or "does_not_fit"
         raise ValidationFailed(code, str(exc), getattr(exc, "param", None),
                                {"errors": getattr(exc, "errors", None)} if getattr(exc, "errors", None) else None) from exc
-    if plan is None:
-        return None
-    if hasattr(plan, "model_dump"):
-        plan = plan.model_dump(mode="json")
     return plan
 
 

@@ -6,9 +6,9 @@
   suggestions, events, checkpoints and the files under the job's output directory;
 - :func:`memory_samples_after`: memory points newer than a sample id (the page's live updates).
 
-Memory categories are the ones the planner predicts and the workers measure:
-parameters, gradients, optimizer states, activations and other (temporary buffers + other known
-buffers). ``other`` in the charts is ``temporary_bytes + other_bytes`` of a sample.
+Memory categories are service/domain/plan.py's CHARTED: parameters, gradients, optimizer states,
+activations and other. ``other`` in the charts is ``temporary_bytes + other_bytes`` of a sample,
+temporary + overhead of a plan. Plans are read typed (``Plan``), stored or computed.
 """
 
 from __future__ import annotations
@@ -20,117 +20,45 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from service.domain.plan import CHARTED, COMPARED, LABELS, Plan, Suggestion, read_plan
 from service.jobs import artifacts
 from service.jobs.crud import get_job, list_jobs
 from service.settings import Settings
 from service.store.auth import Principal
 from service.store.models import Checkpoint, Job, JobEvent, MemorySample, utcnow
 
-CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "other")
-CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states",
-                   "activations": "activations", "other": "temporary / other"}
-# Planner keys that name each category (issue "Memory": parameters, gradients, optimizer_states,
-# activations, temporary, overhead, total).
-PLAN_KEYS = {"parameters": ("parameters", "parameters_bytes"),
-             "gradients": ("gradients", "gradients_bytes"),
-             "optimizer_states": ("optimizer_states", "optimizer_states_bytes", "optimizer", "optimizer_bytes"),
-             "activations": ("activations", "activations_bytes"),
-             "other": ()}
+# The charts' categories and their labels: service/domain/plan.py, the one list.
+CATEGORIES = CHARTED
+CATEGORY_LABELS = {c: LABELS[c] for c in CHARTED}
 MAX_FILES = artifacts.MAX_FILES
 
 
-def _num(v: Any) -> int | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, (int, float)):
-        return int(v)
-    if isinstance(v, dict) and isinstance(v.get("bytes"), (int, float)):
-        return int(v["bytes"])
-    return None
-
-
-def _category_dict(d: dict) -> dict[str, int] | None:
-    """A dict holding the planner's per-category device bytes, normalised to CATEGORIES + total."""
-    if not isinstance(d, dict):
-        return None
-    out: dict[str, int] = {}
-    for cat, keys in PLAN_KEYS.items():
-        for k in keys:
-            if _num(d.get(k)) is not None:
-                out[cat] = _num(d[k])
-                break
-    if "parameters" not in out:
-        return None
-    other = sum(_num(d.get(k)) or 0 for k in ("temporary", "temporary_bytes", "overhead", "overhead_bytes", "other", "other_bytes"))
-    out["other"] = other
-    total = _num(d.get("total")) if _num(d.get("total")) is not None else _num(d.get("total_bytes"))
-    out["total"] = total if total is not None else sum(out[c] for c in CATEGORIES)
-    return out
-
-
-def plan_breakdown(plan: dict | None) -> dict[str, int] | None:
-    """The plan's per-rank *device* prediction by category (rank 0 when ranks differ), or None.
-
-    Tolerant of the planner's nesting: a ``device`` dict at the top, under ``per_rank``/``ranks``
-    (dict or list), or under ``prediction``/``breakdown``.
-    """
-    if not isinstance(plan, dict):
-        return None
-    queue: list[Any] = [plan]
-    seen = 0
-    while queue and seen < 200:
-        seen += 1
-        node = queue.pop(0)
-        if isinstance(node, list):
-            queue.extend(node[:1])  # rank 0
-            continue
-        if not isinstance(node, dict):
-            continue
-        for key in ("device", "gpu"):
-            found = _category_dict(node.get(key)) if isinstance(node.get(key), dict) else None
-            if found:
-                return found
-        for key in ("per_rank", "ranks", "rank", "prediction", "breakdown", "memory", "plan", "predicted"):
-            if key in node:
-                queue.append(node[key])
-    return _category_dict(plan)
-
-
-def plan_capacity(plan: dict | None) -> tuple[int | None, str | None]:
-    if not isinstance(plan, dict):
+def plan_capacity(plan: Plan | None) -> tuple[int | None, str | None]:
+    """(the capacity a plan was planned against, the GPU's name); (None, None) for an informative plan."""
+    if plan is None or not plan.capacity_bytes:
         return None, None
-    gpu = plan.get("gpu")
-    if isinstance(gpu, dict) and _num(gpu.get("capacity_bytes")):
-        return _num(gpu["capacity_bytes"]), gpu.get("display") or gpu.get("name")
-    for key in ("capacity_bytes", "gpu_capacity_bytes", "device_capacity_bytes"):
-        if _num(plan.get(key)):
-            return _num(plan[key]), plan.get("gpu_type") or (gpu if isinstance(gpu, str) else None)
-    return None, None
+    return plan.capacity_bytes, plan.gpu
 
 
-def plan_suggestions(plan: dict | None) -> list[dict]:
-    if not isinstance(plan, dict):
+def suggestion_rows(suggestions: list[Suggestion]) -> list[dict]:
+    """What the pages list of each suggestion: what it changes, its predicted peak, whether it fits."""
+    return [{"change": s.description or s.change, "predicted_peak_bytes": s.predicted_peak_bytes or None,
+             "fits": s.fits} for s in suggestions]
+
+
+def error_suggestions(error: dict | None) -> list[Suggestion]:
+    """The suggestions a job's error carries (out of memory, insufficient memory), typed."""
+    details = (error or {}).get("details") or {}
+    try:
+        return [Suggestion.model_validate(s) for s in details.get("suggestions") or []]
+    except ValueError:  # not the planner's suggestions: show none rather than fail the page
         return []
-    for key in ("suggestions", "changes", "fixes"):
-        value = plan.get(key)
-        if isinstance(value, list):
-            out = []
-            for s in value:
-                if isinstance(s, dict):
-                    out.append({"change": s.get("description") or s.get("change") or s.get("name") or s.get("title") or str(s),
-                                "predicted_peak_bytes": _num(s.get("predicted_peak_bytes") or s.get("peak_bytes")
-                                                             or s.get("total_bytes") or s.get("total")),
-                                "fits": s.get("fits")})
-                else:
-                    out.append({"change": str(s), "predicted_peak_bytes": None, "fits": None})
-            return out
-    return []
 
 
-_PLANS: dict[str, dict | None] = {}
+_PLANS: dict[str, Plan | None] = {}
 
 
-def _plan_now(spec_json: str, settings: Settings) -> dict | None:
+def _plan_now(spec_json: str, settings: Settings) -> Plan | None:
     if spec_json in _PLANS:
         return _PLANS[spec_json]
     try:
@@ -146,11 +74,12 @@ def _plan_now(spec_json: str, settings: Settings) -> dict | None:
     return plan
 
 
-def plan_of(job: Job, settings: Settings) -> tuple[dict | None, str | None]:
+def plan_of(job: Job, settings: Settings) -> tuple[Plan | None, str | None]:
     """(the plan, where it came from): the one stored at validation, else the planner run now on the
     job's spec (pure arithmetic, cached per spec), else (None, None)."""
     if job.plan is not None:
-        return job.plan, "stored"
+        stored = read_plan(job.plan)
+        return (stored, "stored") if stored is not None else (None, None)
     plan = _plan_now(json.dumps(job.spec, sort_keys=True), settings)
     return (plan, "computed") if plan is not None else (None, None)
 
@@ -158,7 +87,7 @@ def plan_of(job: Job, settings: Settings) -> tuple[dict | None, str | None]:
 def capacity_for(job: Job, spec_training: dict) -> tuple[int | None, str | None]:
     """What a rank's memory is compared with: the GPU's capacity (plan, then spec.gpu_type), or a CPU
     worker's host memory budget; (None, None) for a CPU worker without one."""
-    cap, label = plan_capacity(job.plan)
+    cap, label = plan_capacity(read_plan(job.plan))
     if cap:
         # A plan without a GPU was planned against the CPU worker's host memory budget.
         return cap, f"{label} capacity" if label else "host memory budget"
@@ -200,11 +129,10 @@ def memory_samples_after(session: Session, job_id: str, after_id: int = 0, limit
     return [sample_point(s) for s in session.scalars(q)]
 
 
-COMPARED_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states",
-                   "activations": "activations", "temporary": "temporary / other", "total": "total (step peak)"}
+COMPARED_LABELS = {c: LABELS[c] for c in COMPARED}
 
 
-def compare_job(session: Session, job: Job, plan: dict | None) -> dict[str, Any]:
+def compare_job(session: Session, job: Job, plan: Plan | None) -> dict[str, Any]:
     """Predicted vs measured per rank and category, with the signed error: service.memory's view (the
     same numbers as GET /v1/fine_tuning/jobs/{id}/memory), for ``plan`` when the job stored none."""
     from types import SimpleNamespace
@@ -212,8 +140,9 @@ def compare_job(session: Session, job: Job, plan: dict | None) -> dict[str, Any]
     from service.jobs.crud import list_memory_samples
     from service.memory.compare import job_memory_view
 
-    view_job = job if plan is job.plan else SimpleNamespace(
-        id=job.id, status=job.status, attempt=job.attempt, plan=plan, memory_summary=job.memory_summary)
+    view_job = SimpleNamespace(id=job.id, status=job.status, attempt=job.attempt,
+                               plan=plan.model_dump(mode="json") if plan is not None else None,
+                               memory_summary=job.memory_summary)
     view = job_memory_view(view_job, list_memory_samples(session, job.id))
     per_rank = {r: [{**row, "label": COMPARED_LABELS.get(row["category"], row["category"])} for row in rows]
                 for r, rows in view["per_rank"].items()}
@@ -287,8 +216,8 @@ def job_view(session: Session, principal: Principal, settings: Settings, job_id:
         },
         "comparison": {**comparison, "plan_source": plan_source if comparison["has_plan"] else None},
         # An out-of-memory failure carries the planner's suggestions for the run that failed; else the plan's.
-        "suggestions": plan_suggestions((job.error or {}).get("details")) or plan_suggestions(plan),
-        "plan": plan,
+        "suggestions": suggestion_rows(error_suggestions(job.error) or (plan.suggestions if plan else [])),
+        "plan": plan.model_dump(mode="json") if plan is not None else None,
         "events": [{"id": e.id, "created_at": e.created_at.timestamp(), "level": e.level, "type": e.type,
                     "message": e.message} for e in events[-300:]],
         "last_event_id": events[-1].id if events else 0,

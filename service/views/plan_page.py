@@ -9,14 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from service.domain.plan import CHARTED, LABELS, Plan
 from service.domain.presets import PRESETS
-from service.views.dashboard import (
-    CATEGORIES,
-    CATEGORY_LABELS,
-    plan_breakdown,
-    plan_capacity,
-    plan_suggestions,
-)
+from service.views.dashboard import plan_capacity, suggestion_rows
 
 DEFAULTS = {
     "model": "preset:small-llama", "gpu": "a100-40gb", "strategy": "ddp", "peft": "none", "lora_r": "16",
@@ -53,8 +48,8 @@ def form_to_body(form: dict[str, str]) -> dict[str, Any]:
     return {"model": f["model"].strip(), "training_file": "file-planner", "training": training}
 
 
-def plan_body(body: dict[str, Any], gpu: str | None = None, settings=None) -> dict[str, Any]:
-    """The planner's JSON answer for a create body (``training_file`` optional): service.memory's
+def plan_body(body: dict[str, Any], gpu: str | None = None, settings=None) -> Plan:
+    """The planner's answer for a create body (``training_file`` optional): service.memory's
     plan_for_spec, the same as ``POST /v1/memory/plan``. Raises PlannerUnavailable when the planner is
     not part of this build, SpecError for a bad body, ValueError for an unknown GPU or model shape."""
     try:
@@ -91,20 +86,19 @@ def evaluate(form: dict[str, str] | None, *, known_gpus: set[str] | None = None,
         problems = getattr(exc, "problems", None)
         ctx["errors"] = [f"{p.param}: {p.message}" for p in problems] if problems else [str(exc)]
         return ctx
-    breakdown = plan_breakdown(plan) or {}
-    host = (plan.get("per_rank") or {}).get("host") or {} if isinstance(plan, dict) else {}
+    breakdown = plan.charted()
+    host = plan.per_rank.host
     capacity, label = plan_capacity(plan)
     ctx["result"] = {
-        "fits": plan.get("fits") if isinstance(plan, dict) else None,
-        "parameter_count": plan.get("parameter_count") if isinstance(plan, dict) else None,
-        "trainable_parameter_count": plan.get("trainable_parameter_count") if isinstance(plan, dict) else None,
-        "rows": [{"category": c, "label": CATEGORY_LABELS[c], "bytes": breakdown.get(c),
-                  "host_bytes": (host.get(c) if c != "other" else
-                                 (host.get("temporary") or 0) + (host.get("overhead") or 0)) if host else None,
-                  "share": (breakdown.get(c) or 0) / capacity if capacity else None} for c in CATEGORIES],
-        "host_total_bytes": host.get("total") if host else None,
-        "used_share": (breakdown.get("total") or 0) / capacity if capacity else None,
-        "total_bytes": breakdown.get("total"), "capacity_bytes": capacity, "capacity_label": label,
-        "suggestions": plan_suggestions(plan), "plan": plan,
+        "fits": plan.fits,
+        "parameter_count": plan.parameter_count,
+        "trainable_parameter_count": plan.trainable_parameter_count,
+        "rows": [{"category": c, "label": LABELS[c], "bytes": breakdown[c],
+                  "host_bytes": getattr(host, c) if c != "other" else host.temporary + host.overhead,
+                  "share": breakdown[c] / capacity if capacity else None} for c in CHARTED],
+        "host_total_bytes": host.total,
+        "used_share": breakdown["total"] / capacity if capacity else None,
+        "total_bytes": breakdown["total"], "capacity_bytes": capacity, "capacity_label": label,
+        "suggestions": suggestion_rows(plan.suggestions), "plan": plan.model_dump(mode="json"),
     }
     return ctx

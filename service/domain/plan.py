@@ -1,0 +1,188 @@
+"""The memory plan as one typed contract, and the one list of memory categories.
+
+The planner (service/memory/planner.py) produces a :class:`Plan`; the pre-flight
+(service/memory/preflight.py) completes it (the model, the informative case, the ranked
+suggestions); ``jobs.plan`` stores ``plan.model_dump(mode="json")``; ``POST /v1/memory/plan``
+declares it as its response model; the dashboard, the planner page and the CLI read a stored or
+served plan back with ``Plan.model_validate``. The JSON is the one stored before this model existed,
+key for key (tests/test_plan_schema.py compares it with plans captured from the old code), so stored
+plans and clients keep working.
+
+Why here and not in service/memory/: the plan is a contract that several packages read — the job
+store keeps it, views and the CLI render it, the API serves it, a DoesNotFit error carries it — the
+way the job spec is (service/domain/spec.py). It holds no arithmetic, so those readers need not
+import the planner to read a plan.
+
+Categories. The planner predicts bytes in :data:`CATEGORIES`; what the workers' telemetry can
+measure is compared in :data:`COMPARED` (the GPU overhead is outside the allocator's tensors, the
+total is the step's peak); the dashboard charts samples in :data:`CHARTED` (``other`` = temporary +
+other known buffers of a sample, temporary + overhead of a plan). :data:`LABELS` names each for
+people.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field
+
+from service.domain.spec import MemoryPolicy
+
+MODEL_STATES = ("parameters", "gradients", "optimizer_states")
+CATEGORIES = (*MODEL_STATES, "activations", "temporary", "overhead")  # what the planner predicts
+COMPARED = (*MODEL_STATES, "activations", "temporary", "total")  # predicted vs measured
+CHARTED = (*MODEL_STATES, "activations", "other")  # the dashboard's memory charts
+LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+    "activations": "activations",
+    "temporary": "temporary / other",
+    "overhead": "overhead",
+    "other": "temporary / other",
+    "total": "total (step peak)",
+}
+
+
+class Breakdown(BaseModel):
+    """Bytes on one rank by category at the predicted peak instant; ``total`` is their sum.
+
+    The planner fills the categories in place as it goes; ``total`` is always their sum (a stored
+    ``total`` is recomputed on reading, and equals it)."""
+
+    model_config = ConfigDict(validate_assignment=True)  # the planner's assignments stay whole bytes
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_states: int = 0
+    activations: int = 0
+    temporary: int = 0
+    overhead: int = 0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, c) for c in CATEGORIES)
+
+
+class PerRank(BaseModel):
+    """One rank's bytes: on the device (GPU memory, or a CPU worker's RAM) and in host memory."""
+
+    device: Breakdown = Field(default_factory=Breakdown)
+    host: Breakdown = Field(default_factory=Breakdown)
+
+
+class ModelStates(BaseModel):
+    """The model states at their full size, whatever instant the peak is (e.g. all gradients)."""
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_states: int = 0
+
+
+class ModelStatesPerRank(BaseModel):
+    device: ModelStates = Field(default_factory=ModelStates)
+    host: ModelStates = Field(default_factory=ModelStates)
+
+
+class ModelInfo(BaseModel):
+    """The model planned: its name in the spec, where its shape came from, and the shape
+    (service/memory/shape.py ModelShape.to_dict)."""
+
+    model_config = ConfigDict(extra="allow")  # a shape field added later is kept, not refused
+
+    name: str
+    source: str | None = None  # preset | local | hub
+    family: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    norm: str
+    mlp: str
+    attention_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    norms_per_layer: int = 2
+    learned_positions: int = 0
+    extra: dict[str, Any] = Field(default_factory=dict)
+    parameter_count: int
+
+
+class Suggestion(BaseModel):
+    """One change that makes the job fit, ranked cheapest first, with its predicted peak and the
+    spec fields it changes (dotted path → new value)."""
+
+    rank: int
+    change: str
+    description: str
+    cost: int = Field(description="Lower is cheaper: the speed or quality given up.")
+    fits: bool
+    predicted_peak_bytes: int
+    usable_bytes: int | None
+    device_total_bytes: int
+    host_total_bytes: int
+    spec_changes: dict[str, Any] = Field(default_factory=dict)
+
+
+class Plan(BaseModel):
+    """A job's predicted per-rank memory (the fullest rank's where ranks differ)."""
+
+    fits: bool
+    parameter_count: int
+    trainable_parameter_count: int
+    world_size: int
+    gpu: str | None = Field(description="Catalogue name planned against; None: a CPU worker.")
+    capacity_bytes: int | None = Field(description="None: a CPU worker with no host budget (informative plan).")
+    usable_bytes: int | None = Field(description="capacity × (1 − safety_margin).")
+    safety_margin: float
+    peak_bytes: int = Field(description="The device peak per rank; on CPU workers host bytes are added.")
+    peak_phase: str
+    per_rank: PerRank
+    phases: dict[str, int] = Field(description="Live bytes at each candidate instant of a step.")
+    runtime_bytes: int = Field(0, description="CPU workers: process memory that is not tensors.")
+    model_states: ModelStatesPerRank = Field(default_factory=ModelStatesPerRank)
+    activations_saved_bytes: int = Field(0, description="What forward keeps for backward, at its end.")
+    assumptions: list[str] = Field(default_factory=list)
+    model: ModelInfo | None = None
+    margin_bytes: int | None = Field(None, description="usable − need; negative: short by that much. "
+                                                       "None for an informative plan.")
+    need_bytes: int = Field(description="What must fit in usable_bytes.")
+    memory_policy: MemoryPolicy
+    suggestions: list[Suggestion] = Field(default_factory=list)
+
+    # ``device`` and ``host`` repeat ``per_rank`` at the top level (the JSON has always had both).
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def device(self) -> Breakdown:
+        return self.per_rank.device
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def host(self) -> Breakdown:
+        return self.per_rank.host
+
+    def charted(self) -> dict[str, int]:
+        """The device bytes in :data:`CHARTED` (``other`` = temporary + overhead) and ``total``."""
+        d = self.per_rank.device
+        out = {c: getattr(d, c) for c in CHARTED if c != "other"}
+        out["other"] = d.temporary + d.overhead
+        out["total"] = d.total
+        return out
+
+
+def read_plan(value: Any) -> Plan | None:
+    """A stored or served plan (a dict), typed; None for no plan or something that is not one."""
+    if isinstance(value, Plan):
+        return value
+    if not isinstance(value, dict):
+        return None
+    try:
+        return Plan.model_validate(value)
+    except ValueError:  # pydantic's ValidationError: not a plan (e.g. an error body)
+        return None
