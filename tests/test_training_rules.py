@@ -10,7 +10,14 @@ import itertools
 import pytest
 
 from service.domain import training
-from service.domain.spec import PeftMethod, Precision, RunRequest, SpecError, StrategyName, validate_spec
+from service.domain.spec import (
+    PeftMethod,
+    Precision,
+    RunRequest,
+    SpecError,
+    StrategyName,
+    validate_spec,
+)
 from service.memory import planner
 from service.memory.shape import shape_for_model
 

@@ -27,9 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.args import TrainArgs
-
 from workers.telemetry import HostMemoryExceeded, StepTelemetry
-
 
 # --- where this worker runs ---------------------------------------------------------------------
 

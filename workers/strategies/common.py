@@ -10,7 +10,13 @@ import torch
 
 from service.domain.training import Regime, regime
 from workers.args import TrainArgs
-from workers.data import StepSampler, TokenizedData, eval_batches, load_dataset, rows_without_labels
+from workers.data import (
+    StepSampler,
+    TokenizedData,
+    eval_batches,
+    load_dataset,
+    rows_without_labels,
+)
 from workers.models import load_model, load_tokenizer, resolve_model_dir
 from workers.peft_setup import apply_peft, load_qlora_base
 from workers.steps import (

@@ -14,8 +14,24 @@ from workers import checkpoint as ckpt
 from workers.args import TrainArgs
 from workers.data import step_batches
 from workers.models import hidden_size
-from workers.steps import OOM_ERRORS, Progress, WorkerEnv, accumulate_gradients, make_telemetry, warmup_cosine, write_failure
-from workers.strategies.common import barrier, build_model, evaluate, finish_step, prepare, report_result, training_regime
+from workers.steps import (
+    OOM_ERRORS,
+    Progress,
+    WorkerEnv,
+    accumulate_gradients,
+    make_telemetry,
+    warmup_cosine,
+    write_failure,
+)
+from workers.strategies.common import (
+    barrier,
+    build_model,
+    evaluate,
+    finish_step,
+    prepare,
+    report_result,
+    training_regime,
+)
 
 
 def deepspeed_config(*, stage: int, micro_batch_size: int, accumulation: int, world_size: int, lr: float,
