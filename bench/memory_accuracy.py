@@ -6,7 +6,7 @@
     .venv/bin/python bench/memory_accuracy.py --load m.json      # re-predict without re-measuring
 
 Each config trains a random-init preset (small-llama, small-qwen2: hidden 256, 4 layers, vocab
-8000) for 3 optimizer steps with the workers' own setup code (workers/strategies.py: build_model,
+8000) for 3 optimizer steps with the workers' own setup code (workers/strategies/: build_model,
 shard_fsdp2, deepspeed_config; workers/steps.py: accumulate_gradients, clip_and_step, the AdamW),
 2-rank cases as 2 gloo processes under torch.multiprocessing. workers/telemetry.py measures each
 rank on step 3, the first steady-state step (optimizer states exist from step 2 on; FSDP2 cases run
@@ -143,8 +143,12 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(case.world), LOCAL_WORLD_SIZE=str(case.world))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // case.world))
+    from service.domain.training import deepspeed_buckets
     from workers import steps as W
     from workers import strategies as S
+    from workers.models import hidden_size
+    from workers.strategies.common import autocast_dtype, training_regime
+    from workers.strategies.deepspeed import skip_shm_build
 
     args = _train_args(case, out["dir"])
     device = torch.device("cpu")
@@ -155,27 +159,27 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
     if case.strategy == "ddp1":
         model = model.to(device)
         optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
-        amp = W.autocast_dtype(args.precision)
+        amp = autocast_dtype(training_regime(args))
         offload = {"optimizer": "none", "param": "none"}
         tel_model = model
     elif case.strategy == "fsdp2":
         dist.init_process_group("gloo", rank=rank, world_size=case.world)
-        model = S.shard_fsdp2(model, device, case.world, precision=args.precision,
+        model = S.shard_fsdp2(model, device, case.world, regime=training_regime(args),
                               reshard_after_forward=args.fsdp_reshard_after_forward, cpu_offload=False)
         optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
         amp = None
         offload = {"optimizer": "none", "param": "none"}
         tel_model = model
     else:
-        S._skip_shm_build()
+        skip_shm_build()
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
         config = S.deepspeed_config(
             stage=args.ds_stage, micro_batch_size=args.micro_batch_size, accumulation=1, world_size=case.world,
             lr=args.learning_rate, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-            precision=args.precision, offload_optimizer=args.ds_offload_optimizer, offload_param=args.ds_offload_param,
-            hidden=S.hidden_size(model), reduce_bucket_elements=None, on_cpu=True)
+            regime=training_regime(args), offload_optimizer=args.ds_offload_optimizer, offload_param=args.ds_offload_param,
+            buckets=deepspeed_buckets(hidden_size(model)), on_cpu=True)
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
         amp = None

@@ -95,11 +95,12 @@ def test_every_family_the_planner_reads_has_automatic_lora_targets_and_they_matc
     """target_modules "auto" adapts, in the worker, exactly what the planner counts for it."""
     pytest.importorskip("peft")
     from service.domain.spec import JobSpec
+    from service.domain.training import AUTO_LORA_TARGETS
     from service.memory.planner import _lora_targets
     from service.memory.shape import SUPPORTED
-    from workers.peft_setup import AUTO_TARGETS, apply_peft
+    from workers.peft_setup import apply_peft
 
-    assert SUPPORTED <= set(AUTO_TARGETS)
+    assert SUPPORTED <= set(AUTO_LORA_TARGETS)
     cfg = FAMILY_CONFIGS[name]
     model = apply_peft(_meta_model(cfg), "lora", r=4)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -57,7 +57,7 @@ def test_lora_r16_bf16_checkpointing_fits_a100_40gb():
     # r=16 on q,k,v,o of 32 layers of 4096×4096: 16·(4096+4096)·4·32
     assert p.trainable_parameter_count == 16 * 8192 * 4 * 32
     assert p.model_states.device.optimizer_states == 8 * p.trainable_parameter_count
-    # the workers keep the frozen base in bf16 and the adapter in fp32 (workers/strategies.py: frozen_base_to_bf16)
+    # the workers keep the frozen base in bf16 and the adapter in fp32 (service/domain/training.py: regime, cast_frozen_base)
     assert p.model_states.device.parameters == 2 * P7 + 4 * p.trainable_parameter_count
     fp32 = plan(spec(peft={"method": "lora", "r": 16}, gradient_checkpointing=True), LLAMA2_7B, "a100-40gb")
     assert fp32.model_states.device.parameters == 4 * (P7 + p.trainable_parameter_count)

@@ -95,9 +95,10 @@ def test_peft_method_trains_saves_reloads_and_merges(tmp_path, method, model):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from service.domain.training import MERGEABLE_PEFT
     from workers.checkpoint import unwrap  # noqa: F401 - imported for parity with the workers
     from workers.models import resolve_model_dir
-    from workers.peft_setup import MERGEABLE, apply_peft
+    from workers.peft_setup import apply_peft
 
     args = _args(tmp_path, model=model, peft_method=method, max_steps=2, checkpoint_every_steps=2,
                  learning_rate=3e-2, peft_virtual_tokens=4)
@@ -124,7 +125,7 @@ def test_peft_method_trains_saves_reloads_and_merges(tmp_path, method, model):
     torch.testing.assert_close(reloaded_logits, fresh_logits, rtol=0, atol=1e-6)
     if method != "prompt_tuning":  # prompt tuning adds virtual positions, so shapes differ from the base
         assert not torch.allclose(reloaded_logits, base_logits, atol=1e-4), "the adapter changed nothing"
-    if method in MERGEABLE:
+    if method in MERGEABLE_PEFT:
         merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
         with torch.no_grad():
             torch.testing.assert_close(merged(input_ids=ids).logits, reloaded_logits, rtol=1e-4, atol=1e-4)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from service.domain.spec import MERGEABLE_PEFT, RunRequest
+from service.domain.spec import RunRequest
+from service.domain.training import MERGEABLE_PEFT
 
 
 @dataclass
@@ -38,7 +39,7 @@ class TrainArgs:
     peft_dropout: float = 0.0
     peft_targets: list[str] | str = "auto"
     peft_virtual_tokens: int = 16
-    peft_merge: bool = True
+    peft_merge: bool = True  # asked for; ``merges_adapter`` says whether the method allows it
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
     ds_stage: int = 2
@@ -46,7 +47,7 @@ class TrainArgs:
     ds_offload_param: str = "none"
     ds_reduce_bucket_elements: int | None = None
     qat_enabled: bool = False
-    qat_scheme: str = "int8-dynamic-act-int4-weight"  # workers.strategies.qat_base_config
+    qat_scheme: str = "int8-dynamic-act-int4-weight"  # workers.strategies.qat.qat_base_config
     qat_group_size: int = 32
     pipeline_schedule: str = "1f1b"
     pipeline_microbatches: int = 4
@@ -62,6 +63,11 @@ class TrainArgs:
     @property
     def is_peft(self) -> bool:
         return self.peft_method != "none"
+
+    @property
+    def merges_adapter(self) -> bool:
+        """Also export a merged model: asked for, and the method's adapter folds into the weights."""
+        return self.peft_merge and self.peft_method in MERGEABLE_PEFT
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,7 +108,7 @@ def train_args(req: RunRequest, fail_at: str | None = None) -> TrainArgs:
         peft_dropout=t.peft.dropout,
         peft_targets=t.peft.target_modules,
         peft_virtual_tokens=t.peft.num_virtual_tokens,
-        peft_merge=t.peft.merge and t.peft.method in MERGEABLE_PEFT,
+        peft_merge=t.peft.merge,
         fsdp_reshard_after_forward=t.fsdp.reshard_after_forward,
         fsdp_cpu_offload=t.fsdp.cpu_offload,
         ds_stage=t.deepspeed.zero_stage,

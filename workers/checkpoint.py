@@ -125,10 +125,10 @@ def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenize
     """Rank 0: rebuild the model on CPU from the base, load the trained state and save it in
     Hugging Face format — the adapter (+ merged model where the method allows) or the full model,
     each with the tokenizer. Rebuilding keeps the export independent of how training sharded it.
-    After QAT, ``state_dict`` already holds the quantised weights (workers.strategies.qat_export: scale
+    After QAT, ``state_dict`` already holds the quantised weights (workers.strategies.qat.qat_export: scale
     × int4 value per group in every quantised linear), so ``model/`` is a stock checkpoint of them."""
     from workers.models import load_model
-    from workers.peft_setup import MERGEABLE, apply_peft, merge_adapter
+    from workers.peft_setup import apply_peft, merge_adapter
 
     out = Path(args.output_dir)
     fresh = load_model(model_dir, args.attention)
@@ -144,7 +144,7 @@ def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenize
         fresh.save_pretrained(out / "adapter")
         tokenizer.save_pretrained(out / "adapter")
         artifacts["adapter"] = "adapter"
-        if args.peft_merge and args.peft_method in MERGEABLE:
+        if args.merges_adapter:
             merge_adapter(model_dir, out / "adapter", out / "merged", attention=args.attention)
             tokenizer.save_pretrained(out / "merged")
             artifacts["merged"] = "merged"

@@ -1,29 +1,15 @@
-"""Parameter-efficient fine-tuning through the ``peft`` library. Flat arguments, no JobSpec."""
+"""Parameter-efficient fine-tuning through the ``peft`` library: adapter configs, the QLoRA base,
+saving and merging adapters. Flat arguments, no JobSpec; which modules "auto" adapts and which
+methods merge are service/domain/training.py's rules, the planner's."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+from service.domain.training import feedforward_targets, lora_targets
+
 log = logging.getLogger(__name__)
-
-# The attention projections per model family: what "auto" adapts.
-# Every family the planner reads (service/memory/shape.py) has one here.
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
-AUTO_TARGETS = {**{f: ["q_proj", "k_proj", "v_proj", "o_proj"] for f in _LLAMA_LIKE}, "gpt2": ["c_attn", "c_proj"]}
-# IA3 also scales the MLP's down projection, which it then treats as a feed-forward module.
-AUTO_FEEDFORWARD = {**{f: ["down_proj"] for f in _LLAMA_LIKE}, "gpt2": ["c_fc"]}
-MERGEABLE = {"lora", "qlora", "ia3", "loha", "lokr"}
-
-
-def target_modules_for(family: str, targets: list[str] | str) -> list[str]:
-    if targets != "auto":
-        return list(targets)
-    if family not in AUTO_TARGETS:
-        raise ValueError(
-            f"no automatic target_modules for model family {family!r}; set training.peft.target_modules"
-        )
-    return list(AUTO_TARGETS[family])
 
 
 def peft_config(method: str, family: str, *, r: int, alpha: float, dropout: float, targets, num_virtual_tokens: int):
@@ -33,18 +19,17 @@ def peft_config(method: str, family: str, *, r: int, alpha: float, dropout: floa
     if method in ("lora", "qlora"):
         return peft.LoraConfig(
             task_type=task, r=r, lora_alpha=alpha, lora_dropout=dropout,
-            target_modules=target_modules_for(family, targets),
+            target_modules=lora_targets(family, targets),
         )
     if method == "ia3":
-        modules = target_modules_for(family, targets)
-        ff = [m for m in AUTO_FEEDFORWARD.get(family, [])] if targets == "auto" else []
-        return peft.IA3Config(task_type=task, target_modules=modules + ff, feedforward_modules=ff)
+        ff = feedforward_targets(family, targets)  # IA3 also scales the MLP, as a feed-forward module
+        return peft.IA3Config(task_type=task, target_modules=lora_targets(family, targets) + ff, feedforward_modules=ff)
     if method == "loha":
         return peft.LoHaConfig(task_type=task, r=r, alpha=alpha, module_dropout=dropout,
-                               target_modules=target_modules_for(family, targets))
+                               target_modules=lora_targets(family, targets))
     if method == "lokr":
         return peft.LoKrConfig(task_type=task, r=r, alpha=alpha, module_dropout=dropout,
-                               target_modules=target_modules_for(family, targets))
+                               target_modules=lora_targets(family, targets))
     if method == "prefix_tuning":
         return peft.PrefixTuningConfig(task_type=task, num_virtual_tokens=num_virtual_tokens)
     if method == "prompt_tuning":

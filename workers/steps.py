@@ -27,15 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.args import TrainArgs
-
-try:  # owned by another engineer; optional until it lands
-    from workers.telemetry import HostMemoryExceeded, StepTelemetry
-except ImportError:  # pragma: no cover - only while telemetry.py is missing
-    StepTelemetry = None
-
-    class HostMemoryExceeded(RuntimeError):
-        pass
-
+from workers.telemetry import HostMemoryExceeded, StepTelemetry
 
 # --- where this worker runs ---------------------------------------------------------------------
 
@@ -129,10 +121,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def label_tokens(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
-
-
-def autocast_dtype(precision: str) -> torch.dtype | None:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
@@ -252,9 +240,7 @@ def enable_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
-def make_telemetry(args: TrainArgs, env: WorkerEnv, model, optimizer, strategy: str, offload: dict):
-    if StepTelemetry is None:
-        return None
+def make_telemetry(args: TrainArgs, env: WorkerEnv, model, optimizer, strategy: str, offload: dict) -> StepTelemetry:
     tel = StepTelemetry(
         rank=env.rank, device=env.device, model=model, optimizer=optimizer,
         every_steps=args.telemetry_every_steps, trace_every_steps=args.memory_trace_every_steps,
@@ -347,11 +333,12 @@ class Progress:
                 self.env.report(metrics, str(keep))
 
 
-def write_failure(args: TrainArgs, env: WorkerEnv, exc: BaseException, step: int, phase: str, tel) -> dict:
+def write_failure(args: TrainArgs, env: WorkerEnv, exc: BaseException, step: int, phase: str,
+                  tel: StepTelemetry) -> dict:
     """The structured out-of-memory failure, written beside the job's outputs for the driver."""
     import json
 
-    details = tel.post_mortem(exc, step=step, phase=phase) if tel is not None else {}
+    details = tel.post_mortem(exc, step=step, phase=phase)
     failure = {
         "kind": "failure",
         "code": "out_of_memory",

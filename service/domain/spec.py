@@ -19,6 +19,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from service.domain.training import MERGEABLE_PEFT
+
 
 class Strict(BaseModel):
     """Base for every spec object: unknown fields are rejected, not ignored."""
@@ -119,9 +121,6 @@ class PeftMethod(str, Enum):
     lokr = "lokr"
     prefix_tuning = "prefix_tuning"
     prompt_tuning = "prompt_tuning"
-
-
-MERGEABLE_PEFT = {PeftMethod.lora, PeftMethod.qlora, PeftMethod.ia3, PeftMethod.loha, PeftMethod.lokr}
 
 
 class Precision(str, Enum):
@@ -579,7 +578,7 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
         bad("peft.method", "qlora needs GPUs (resources.gpus_per_worker > 0); use lora on CPU workers")
     if peft == PeftMethod.qlora and t.strategy in (StrategyName.deepspeed, StrategyName.pipeline):
         bad("peft.method", "qlora runs with strategy 'ddp' or 'fsdp'")
-    if peft in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning) and t.peft.merge and "merge" in t.peft.model_fields_set:
+    if peft != PeftMethod.none and peft.value not in MERGEABLE_PEFT and t.peft.merge and "merge" in t.peft.model_fields_set:
         bad("peft.merge", f"{peft.value} adapters cannot be merged into the model; set merge to false")
     if peft in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning) and t.strategy == StrategyName.pipeline:
         bad("peft.method", f"{peft.value} cannot be split into pipeline stages")

@@ -12,7 +12,8 @@ a linear keeps its input only if its weight is trainable (LoRA: the frozen base 
 adapter's A does), a norm keeps its normalised input only if its weight is trainable, RMSNorm
 upcasts to fp32 (Llama, Qwen2, Mistral, Gemma), SwiGLU keeps gate, SiLU and up, SDPA keeps q, k, v,
 its output and a log-sum-exp (eager attention also the s² probabilities), and the loss
-(workers/steps.py) keeps the fp32 log-softmax of the logits. Four precision regimes differ:
+(workers/steps.py) keeps the fp32 log-softmax of the logits. Four precision regimes differ (which one
+a job runs in, and the dtype of each model state, is service/domain/training.py's ``regime``):
 fp32; bf16 autocast (DDP: fp32 weights and residual stream, a bf16 copy of each linear input and
 weight); pure bf16 compute (FSDP2's MixedPrecisionPolicy, DeepSpeed bf16); and LoRA with bf16
 under DDP (a bf16 frozen base, so a bf16 residual stream, with the fp32 adapter cast per matmul). The peak is the largest
@@ -37,32 +38,33 @@ from service.domain.plan import (
     Plan,
 )
 from service.domain.spec import JobSpec, PeftMethod, Precision, StrategyName
+from service.domain.training import deepspeed_buckets, dtype_bytes, lora_targets, regime
 from service.memory.gpus import GPU, MiB, get_gpu
 from service.memory.shape import ModelShape
 
 DEFAULT_HOST_BYTES = 16 * 2**30  # a CPU worker's memory when no host budget is given
 CPU_RUNTIME_BYTES = 600 * MiB  # RSS of a torch + transformers worker process before any tensor (measured)
-DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000  # ZeRO-3 keeps gathered params reused within this many elements
 
 
 # --- activations ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Regime:
-    """How tensors are stored in forward: element sizes of linear outputs, the residual stream, casts."""
+class ActivationSizes:
+    """How a regime (service/domain/training.py) stores tensors in forward: element sizes of linear
+    outputs and of the residual stream, and whether each linear casts its own copies."""
 
-    name: str  # fp32 | autocast | pure16 | lora16
+    name: str  # fp32 | autocast | pure16 | lora16, the Regime's name
     act: int  # bytes per element of linear/attention outputs
     residual: int  # bytes per element of the residual stream between blocks
     casts: bool  # autocast: each linear makes its own bf16 copy of its input (and weight)
 
 
-REGIMES = {"fp32": Regime("fp32", 4, 4, False), "autocast": Regime("autocast", 2, 4, True),
-           "pure16": Regime("pure16", 2, 2, False),
-           # LoRA + bf16 under DDP: a bf16 frozen base (bf16 residual stream, no weight casts) with an
-           # fp32 adapter that PEFT feeds an fp32 copy of its input and autocast casts per matmul
-           "lora16": Regime("lora16", 2, 2, True)}
+ACTIVATION_SIZES = {"fp32": ActivationSizes("fp32", 4, 4, False), "autocast": ActivationSizes("autocast", 2, 4, True),
+                    "pure16": ActivationSizes("pure16", 2, 2, False),
+                    # a bf16 frozen base (bf16 residual stream, no weight casts) with an fp32 adapter that
+                    # PEFT feeds an fp32 copy of its input and autocast casts per matmul
+                    "lora16": ActivationSizes("lora16", 2, 2, True)}
 
 
 @dataclass
@@ -86,14 +88,10 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
     peft = spec.training.peft
     if peft.method == PeftMethod.none:
         return None
-    if peft.target_modules != "auto":
-        return set(peft.target_modules)
-    if shape.family == "gpt2":
-        return {"c_attn", "c_proj"}
-    return {"q_proj", "k_proj", "v_proj", "o_proj"}
+    return set(lora_targets(shape.family, peft.target_modules))
 
 
-def activations(shape: ModelShape, b: int, s: int, regime: Regime, targets: set[str] | None, r: int,
+def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
                 attention: str = "sdpa", zero3_linear: bool = False) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
@@ -225,17 +223,6 @@ def trainable_parameters(spec: JobSpec, shape: ModelShape) -> int:
     return peft.num_virtual_tokens * per_token
 
 
-def _regime(spec: JobSpec) -> Regime:
-    t = spec.training
-    if t.precision == Precision.fp32:
-        return REGIMES["fp32"]
-    if t.strategy == StrategyName.ddp and t.precision == Precision.bf16 and t.peft.method == PeftMethod.lora:
-        return REGIMES["lora16"]  # workers/strategies.py: frozen_base_to_bf16
-    if t.strategy == StrategyName.ddp or t.strategy == StrategyName.pipeline:
-        return REGIMES["autocast"]
-    return REGIMES["pure16"]  # FSDP2 MixedPrecisionPolicy and DeepSpeed bf16 compute in 16 bits
-
-
 def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size: int | None = None,
          safety_margin: float = 0.10) -> Plan:
     """Per-rank memory of ``spec`` training ``shape``; ``gpu`` (catalogue name) or the spec's gpu_type.
@@ -258,11 +245,11 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     P = shape.parameter_count() + (Pt if t.peft.method != PeftMethod.none else 0)
     full = t.peft.method == PeftMethod.none
     targets = _lora_targets(spec, shape)
-    regime = _regime(spec)
+    rg = regime(t.strategy.value, t.peft.method.value, t.precision.value)
     assumptions: list[str] = [
         f"sequences padded to max_seq_length={s}, micro-batch {b}, {accum} accumulation step(s)",
         "AdamW: two fp32 moments per trainable parameter",
-        f"activations: {regime.name} regime, {t.attention} attention, "
+        f"activations: {rg.name} regime, {t.attention} attention, "
         f"{'checkpointing every block' if t.gradient_checkpointing else 'no checkpointing'}",
     ]
     strategy = t.strategy.value
@@ -271,19 +258,17 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
 
     dev, host = Breakdown(), Breakdown()
     # --- model states (steady state: optimizer states exist) -----------------------------
-    p_bytes = 4
-    if strategy == "deepspeed" and t.precision != Precision.fp32:
-        p_bytes = 2  # DeepSpeed converts the module to bf16; fp32 masters live in the optimizer
-    base_param_bytes = P * p_bytes
-    if regime.name == "lora16":
-        base_param_bytes = (P - Pt) * 2 + Pt * 4
+    if rg.cast_frozen_base:
         assumptions.append("LoRA + bf16: the frozen base is held in bf16, the adapter in fp32")
-    if qlora:
+    if not qlora:
+        base_param_bytes = (P - Pt) * dtype_bytes(rg.frozen_dtype) + Pt * dtype_bytes(rg.trainable_dtype)
+    else:
         base_param_bytes = int((P - Pt - shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)) * 0.5 * 1.03) \
             + shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) * 2 + Pt * 4
         assumptions.append("QLoRA: NF4 base (0.5 B/param + double-quantised constants), 16-bit embeddings")
-    grads_full = Pt * 4
-    opt = Pt * 8
+    grad_bytes = dtype_bytes(rg.grad_dtype)
+    grads_full = Pt * grad_bytes
+    opt = Pt * 2 * dtype_bytes(rg.optimizer_dtype)
     master = 0
     gathered = 0  # params materialised at the loss (forward's end, backward's start) beyond the shards
     gathered_layer = 0  # params materialised while one block runs (its forward, recompute or backward)
@@ -296,13 +281,14 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         dev.gradients = grads_full // stages
         dev.optimizer_states = opt // stages
         if strategy == "ddp" and N > 1:
-            comm = Pt * 4  # DDP's gradient buckets: a second fp32 copy of every trainable gradient
+            comm = grads_full  # DDP's gradient buckets: a second fp32 copy of every trainable gradient
             assumptions.append("DDP keeps gradient buckets (one fp32 copy of the trainable gradients)")
     elif strategy == "fsdp":
-        dev.parameters = P * 4 // N
+        # FSDP2 keeps one dtype per unit: every shard in the trained weights' (an NF4 base is counted so too)
+        dev.parameters = P * dtype_bytes(rg.trainable_dtype) // N
         dev.gradients = grads_full // N
         dev.optimizer_states = opt // N
-        unit_bytes = 4 if regime.name == "fp32" else 2
+        unit_bytes = dtype_bytes(rg.compute_dtype)  # a unit is gathered in the compute dtype
         adapter_per_layer = 0 if full else Pt // max(shape.num_layers, 1)
         layer_unsharded = (shape.layer_params() + adapter_per_layer) * unit_bytes
         root = (shape.parameter_count() - shape.num_layers * shape.layer_params()) * unit_bytes
@@ -314,7 +300,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         else:
             gathered = shape.num_layers * layer_unsharded + root
             gathered_layer = gathered
-        comm = (shape.layer_params() * 4) if full else 0  # one unit's fp32 reduce-scatter input
+        comm = (shape.layer_params() * grad_bytes) if full else 0  # one unit's reduce-scatter input
         if t.fsdp.cpu_offload:
             host.parameters, dev.parameters = dev.parameters, 0
             host.gradients, dev.gradients = dev.gradients, 0
@@ -322,26 +308,30 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         assumptions.append("FSDP2: one unit per decoder block plus the root (embeddings, final norm, lm_head)")
     elif strategy == "deepspeed":
         stage = ds.zero_stage
-        bucket = ds.reduce_bucket_elements or shape.hidden * shape.hidden
-        comm = bucket * p_bytes * 2  # reduce (ipg) bucket and its all-gather twin
-        master = Pt * 4 if p_bytes == 2 or stage >= 1 else 0
+        buckets = deepspeed_buckets(shape.hidden, ds.reduce_bucket_elements)
+        bucket = buckets.reduce_elements
+        p_bytes = dtype_bytes(rg.frozen_dtype)  # DeepSpeed's 16-bit mode converts the whole module
+        comm = (buckets.reduce_elements + buckets.allgather_elements) * grad_bytes
+        # 16-bit weights: fp32 masters in the optimizer; ZeRO >= 1 also keeps an fp32 flat partition in fp32
+        master_bytes = dtype_bytes(rg.master_dtype or "float32")
+        master = Pt * master_bytes if rg.master_dtype is not None or stage >= 1 else 0
         if stage == 0:
             dev.parameters = base_param_bytes
-            dev.gradients = Pt * p_bytes
-            dev.optimizer_states = opt + (Pt * 4 if p_bytes == 2 else 0)
+            dev.gradients = grads_full
+            dev.optimizer_states = opt + (Pt * master_bytes if rg.master_dtype is not None else 0)
         elif stage in (1, 2):
             dev.parameters = base_param_bytes
-            dev.gradients = Pt * p_bytes if stage == 1 else Pt * p_bytes // N
+            dev.gradients = grads_full if stage == 1 else grads_full // N
             numels = _trainable_numels(spec, shape, targets)
             if stage == 2 and ds.offload_optimizer != "cpu" and numels:
-                dev.gradients = zero2_gradient_buffer_elements(numels, N) * p_bytes
+                dev.gradients = zero2_gradient_buffer_elements(numels, N) * grad_bytes
             dev.optimizer_states = (opt + master) // N
         else:
             dev.parameters = base_param_bytes // N
-            dev.gradients = Pt * p_bytes // N
+            dev.gradients = grads_full // N
             dev.optimizer_states = (opt + master) // N
-            prefetch = int(0.9 * shape.hidden * shape.hidden)
-            if P <= DEEPSPEED_MAX_REUSE_DISTANCE:
+            prefetch = buckets.prefetch_elements
+            if P <= buckets.max_reuse_distance:
                 gathered = base_param_bytes  # every param is reused within max_reuse_distance: kept gathered
                 gathered_layer = gathered
                 if not full and not shape.tied_embeddings and not t.gradient_checkpointing:
@@ -365,7 +355,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         raise ValueError(f"unknown strategy {strategy!r}")
 
     # --- activations and the peak ----------------------------------------------------------
-    act = activations(shape, b, s, regime, targets, t.peft.r, t.attention,
+    act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
                       zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3)
     A = act.saved(t.gradient_checkpointing)
     state = ModelStatesPerRank(

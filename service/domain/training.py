@@ -1,0 +1,127 @@
+"""The training rules the planner predicts from and the workers build from: one home each, no torch.
+
+- :func:`regime`: the precision regime of a (strategy, PEFT method, precision) — which dtype the
+  frozen base, the trained weights, the gradients, the optimizer states and any master copy are
+  kept in, the dtype matmuls run in, and who casts (torch.autocast per op, or the wrapper once).
+- :func:`lora_targets`: the modules ``target_modules: auto`` adapts, per model family.
+- :data:`MERGEABLE_PEFT`: the PEFT methods whose adapter folds into the base weights.
+- :func:`deepspeed_buckets`: the ZeRO communication buffer sizes memfit sets (and the planner counts).
+
+Dtypes are named as strings ("float32", "bfloat16", "float16", and "nf4" for QLoRA's 4-bit base);
+the workers turn the names into torch dtypes. Strategy, method and precision are the spec's enum
+values (``StrategyName.ddp.value`` …), so the spec can use these rules without a cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+# --- the precision regime -----------------------------------------------------------------------
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+HALF = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class Regime:
+    """How one rank holds and computes a model under a (strategy, PEFT method, precision).
+
+    ``name`` is the activation regime, how forward stores what backward needs:
+
+    - ``fp32``: everything in fp32.
+    - ``autocast`` (DDP, pipeline): fp32 weights and residual stream; torch.autocast casts each
+      linear's input and weight to 16 bits per op.
+    - ``pure16`` (FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16/fp16 mode): the wrapper casts the
+      weights once and the whole forward runs in 16 bits.
+    - ``lora16`` (LoRA + bf16 under DDP): the frozen base is only read, so it is kept in bf16 (2 bytes
+      per parameter instead of 4, what LoRA users expect), hence a bf16 residual stream; the adapter
+      stays fp32 for AdamW and autocast casts it per matmul.
+    """
+
+    name: str
+    compute_dtype: str  # the dtype matmuls run in
+    autocast: bool  # torch.autocast around forward; False: the wrapper (FSDP2, DeepSpeed) casts, or fp32
+    frozen_dtype: str  # the base weights a PEFT method does not train, as held ("nf4": QLoRA's 4-bit base)
+    trainable_dtype: str  # the trained weights as the module holds them
+    grad_dtype: str  # gradients as held and reduced
+    optimizer_dtype: str  # AdamW's two moments
+    master_dtype: str | None  # the optimizer's master copy beside 16-bit weights (DeepSpeed), else None
+    cast_frozen_base: bool  # the worker casts the frozen base to ``frozen_dtype`` before wrapping
+
+
+@cache
+def regime(strategy: str, peft_method: str, precision: str) -> Regime:
+    """The one place a (strategy, peft method, precision) becomes a :class:`Regime`; the same
+    arguments always return the same object."""
+    frozen_base = "nf4" if peft_method == "qlora" else "float32"  # the loader quantises QLoRA's base
+    if precision == "fp32":
+        return Regime("fp32", "float32", False, frozen_base, "float32", "float32", "float32", None, False)
+    half = HALF[precision]
+    if strategy == "deepspeed":
+        # DeepSpeed's bf16/fp16 mode converts the whole module and its gradients; the optimizer
+        # keeps fp32 masters of what trains.
+        return Regime("pure16", half, False, half, half, half, "float32", "float32", False)
+    if strategy == "fsdp":
+        # FSDP2 keeps fp32 shards and casts each unit when it gathers it; gradients reduce in fp32.
+        return Regime("pure16", half, False, frozen_base, "float32", "float32", "float32", None, False)
+    if strategy == "ddp" and peft_method == "lora" and precision == "bf16":
+        return Regime("lora16", half, True, half, "float32", "float32", "float32", None, True)
+    # DDP and pipeline: fp32 weights, torch.autocast per op.
+    return Regime("autocast", half, True, frozen_base, "float32", "float32", "float32", None, False)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dense dtype (not "nf4", whose size the planner models with its constants)."""
+    return DTYPE_BYTES[dtype]
+
+
+# --- PEFT ---------------------------------------------------------------------------------------
+
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+# The attention projections per model family: what "auto" adapts. Every family the planner reads
+# (service/memory/shape.py) has one here.
+AUTO_LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    **{f: ("q_proj", "k_proj", "v_proj", "o_proj") for f in _LLAMA_LIKE}, "gpt2": ("c_attn", "c_proj")}
+# IA3 also scales the MLP's down projection, which it then treats as a feed-forward module.
+AUTO_FEEDFORWARD: dict[str, tuple[str, ...]] = {**{f: ("down_proj",) for f in _LLAMA_LIKE}, "gpt2": ("c_fc",)}
+
+MERGEABLE_PEFT = frozenset({"lora", "qlora", "ia3", "loha", "lokr"})  # prefix/prompt tuning add tokens
+
+
+def lora_targets(family: str, target_modules: list[str] | str) -> list[str]:
+    """The module names an adapter wraps: the spec's list, or the family's attention projections for "auto"."""
+    if target_modules != "auto":
+        return list(target_modules)
+    if family not in AUTO_LORA_TARGETS:
+        raise ValueError(f"no automatic target_modules for model family {family!r}; set training.peft.target_modules")
+    return list(AUTO_LORA_TARGETS[family])
+
+
+def feedforward_targets(family: str, target_modules: list[str] | str) -> list[str]:
+    """IA3's feed-forward modules: the family's MLP projection for "auto", none for an explicit list."""
+    return list(AUTO_FEEDFORWARD.get(family, ())) if target_modules == "auto" else []
+
+
+# --- DeepSpeed buffers --------------------------------------------------------------------------
+
+# ZeRO-3 keeps a gathered parameter live when it is reused within this many elements (DeepSpeed's
+# default, set explicitly so the planner's assumption is the worker's config).
+DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class DeepSpeedBuckets:
+    """ZeRO's communication buffers in elements. They follow hidden² (Hugging Face's "auto" values),
+    not DeepSpeed's 5e8-element default that allocates ~1 GB per rank whatever the model."""
+
+    reduce_elements: int  # the gradient reduce (ipg) bucket
+    allgather_elements: int  # its all-gather twin
+    prefetch_elements: int  # ZeRO-3: parameters prefetched ahead of the running module
+    persistence_threshold: int  # ZeRO-3: parameters this small stay gathered
+    max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE
+
+
+def deepspeed_buckets(hidden: int, reduce_bucket_elements: int | None = None) -> DeepSpeedBuckets:
+    bucket = int(reduce_bucket_elements or hidden * hidden)
+    return DeepSpeedBuckets(bucket, bucket, int(0.9 * hidden * hidden), 10 * hidden)
