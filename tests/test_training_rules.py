@@ -10,6 +10,7 @@ import itertools
 import pytest
 
 from service.domain import training
+from service.domain.model_ref import resolve_model
 from service.domain.spec import (
     PeftMethod,
     Precision,
@@ -70,7 +71,7 @@ def test_planner_and_worker_use_the_same_regime_object(case, monkeypatch):
 
     monkeypatch.setattr(planner, "regime", spy)
     monkeypatch.setattr(common, "regime", spy)
-    p = planner.plan(spec, shape_for_model(MODEL))
+    p = planner.plan(spec, shape_for_model(resolve_model(MODEL, ())))
     req = RunRequest(job_id="ftjob-1", spec=spec, training_path="/t.jsonl", output_dir="/out")
     worker_rg = common.training_regime(train_args(req))
     (planner_args, planner_rg), (worker_args, _) = calls
@@ -155,14 +156,14 @@ def test_build_model_takes_the_dtype_from_the_domain_regime(tmp_path, monkeypatc
 def test_planner_counts_the_regime_it_is_given(monkeypatch):
     """The planner's parameter bytes come from the regime's dtypes, not from a rule of its own."""
     spec = validate_spec(body("ddp", "lora", "fp32"))
-    shape = shape_for_model(MODEL)
+    shape = shape_for_model(resolve_model(MODEL, ()))
     fp32 = planner.plan(spec, shape)
     real = training.regime
     monkeypatch.setattr(planner, "regime", lambda *a: dataclasses.replace(real(*a), frozen_dtype="bfloat16",
                                                                          cast_frozen_base=True))
     halved = planner.plan(spec, shape)
     frozen = fp32.parameter_count - fp32.trainable_parameter_count
-    assert fp32.state["device"]["parameters"] - halved.state["device"]["parameters"] == 2 * frozen
+    assert fp32.model_states.device.parameters - halved.model_states.device.parameters == 2 * frozen
 
 
 def test_mergeable_methods_are_the_spec_s_and_the_workers():
