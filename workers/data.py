@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 from service.domain.datafmt import read_jsonl
@@ -219,6 +218,3 @@ def eval_batches(data: TokenizedData, micro_batch_size: int, rank: int, world_si
         yield collate(rows[start : start + micro_batch_size], data.pad_id)
 
 
-def count_lines(path: str | Path) -> int:
-    with open(path, encoding="utf-8") as f:
-        return sum(1 for line in f if line.strip())

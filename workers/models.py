@@ -266,10 +266,6 @@ def load_model(model_dir: str, attention: str = "sdpa", dtype=None):
         raise ModelSourceError(f"cannot load model {model_dir!r}: {exc}") from None
 
 
-def model_family(model) -> str:
-    return getattr(model.config, "model_type", "unknown")
-
-
 def hidden_size(model) -> int:
     cfg = model.config
     return int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd"))

@@ -66,13 +66,6 @@ def apply_peft(model, method: str, *, r=8, alpha=16.0, dropout=0.0, targets="aut
     return peft.get_peft_model(model, cfg)
 
 
-def save_adapter(peft_model, out_dir: str | Path, state_dict=None) -> Path:
-    """Adapter weights and config; ``state_dict`` is the gathered full state dict under FSDP/ZeRO-3."""
-    out = Path(out_dir)
-    peft_model.save_pretrained(out, state_dict=state_dict) if state_dict is not None else peft_model.save_pretrained(out)
-    return out
-
-
 def merge_adapter(base_dir: str, adapter_dir: str | Path, out_dir: str | Path, attention: str = "sdpa") -> Path:
     """Reload the base in fp32, apply the saved adapter, fold it into the weights and save a full model."""
     import torch

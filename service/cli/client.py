@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from service.domain.plan import COMPARED
 from service.domain.units import human_bytes
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -171,19 +172,8 @@ def jobs_resume(job_id: str, api_url: str = ApiUrl, api_key: str = ApiKey, as_js
 
 
 def memory_report(http: httpx.Client, job_id: str) -> dict:
-    """Predicted vs measured per rank and category: the API's memory route when it has one, else the
-    dashboard's view of the same job."""
-    r = http.get(f"/v1/fine_tuning/jobs/{job_id}/memory")
-    if r.status_code == 200:
-        body = r.json()
-        body.setdefault("source", "/v1/fine_tuning/jobs/{id}/memory")
-        if "per_rank" in body or "comparison" in body:
-            return body
-    view = call(http, "GET", f"/ui/jobs/{job_id}/view.json")
-    return {"job_id": job_id, "source": "dashboard", "has_plan": view["comparison"]["has_plan"],
-            "predicted": view["comparison"]["predicted"], "per_rank": view["comparison"]["per_rank"],
-            "capacity_bytes": view["memory"]["capacity_bytes"], "capacity_label": view["memory"]["capacity_label"],
-            "suggestions": view["suggestions"], "samples": len(view["memory"]["samples"])}
+    """Predicted vs measured per rank and category: ``GET /v1/fine_tuning/jobs/{id}/memory``."""
+    return call(http, "GET", f"/v1/fine_tuning/jobs/{job_id}/memory")
 
 
 @jobs_app.command("memory")
@@ -286,18 +276,18 @@ def follow_stream(http: httpx.Client, job_id: str, console: Console, *, as_json:
         console=console, transient=False,
     )
     peaks: dict[int, int] = {}
-    last_sample = 0
     last_mem_poll = 0.0
 
     def poll_memory() -> str:
-        nonlocal last_sample, last_mem_poll
+        """The highest peak per rank of the current attempt, from the API's memory route."""
+        nonlocal last_mem_poll
         last_mem_poll = time.monotonic()
-        r = http.get(f"/ui/jobs/{job_id}/memory.json", params={"after_id": last_sample})
+        r = http.get(f"/v1/fine_tuning/jobs/{job_id}/memory")
         if r.status_code == 200:
-            for s in r.json()["samples"]:
-                last_sample = max(last_sample, s["id"])
-                total = s.get("peak") or sum(s.get(c) or 0 for c in ("parameters", "gradients", "optimizer_states", "activations", "other"))
-                peaks[s["rank"]] = max(peaks.get(s["rank"], 0), total)
+            for rank, rows in (r.json().get("samples") or {}).items():
+                for row in rows:
+                    total = row.get("peak_bytes") or sum(row.get(f"{c}_bytes") or 0 for c in COMPARED if c != "total")
+                    peaks[int(rank)] = max(peaks.get(int(rank), 0), total)
         return " ".join(f"r{r}={mib(v)}" for r, v in sorted(peaks.items())) or "-"
 
     with progress:

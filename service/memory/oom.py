@@ -8,9 +8,9 @@ from typing import Any
 from service.domain.plan import read_plan
 from service.domain.spec import (
     JobSpec,
-    check_rules,
 )
 from service.domain.units import gib
+from service.memory import planner
 from service.memory.preflight import (
     MAX_SUGGESTIONS,
     _gpu_for,
@@ -48,23 +48,8 @@ def oom_error(job, error: dict[str, Any], settings: Settings) -> dict[str, Any]:
 
 
 def _reductions(spec: JobSpec, settings: Settings) -> list[dict[str, Any]]:
-    """Single changes ranked by how much they lower the predicted peak (cheapest first among equals)."""
-    from service.memory import planner
-
+    """The planner's single changes that lower the predicted peak, as the plan's suggestions."""
     resolved = resolve_shape(spec, settings)
-    gpu = _gpu_for(spec, None)
-    margin = settings.memory_safety_margin
-    base = planner.plan(spec, resolved.shape, gpu, safety_margin=margin)
-    out = []
-    for name, desc, cost, patch in planner._candidates(spec, gpu):  # noqa: SLF001 - the planner's change list
-        try:
-            s2 = planner._patched(spec, patch)  # noqa: SLF001
-            if check_rules(s2):
-                continue
-            p = planner.plan(s2, resolved.shape, gpu, safety_margin=margin)
-        except Exception:  # noqa: BLE001 - a change the spec rules refuse is not offered
-            continue
-        if p.peak_bytes < base.peak_bytes:
-            out.append(planner.Change(name, desc, cost, p, s2))
-    out.sort(key=lambda x: (x.plan.peak_bytes, x.cost))
-    return [_suggestion(i + 1, spec, x).model_dump(mode="json") for i, x in enumerate(out[:MAX_SUGGESTIONS])]
+    changes = planner.reductions(spec, resolved.shape, _gpu_for(spec, None),
+                                 safety_margin=settings.memory_safety_margin, limit=MAX_SUGGESTIONS)
+    return [_suggestion(i + 1, spec, x).model_dump(mode="json") for i, x in enumerate(changes)]

@@ -37,7 +37,13 @@ from service.domain.plan import (
     PerRank,
     Plan,
 )
-from service.domain.spec import JobSpec, PeftMethod, Precision, StrategyName
+from service.domain.spec import (
+    JobSpec,
+    PeftMethod,
+    Precision,
+    StrategyName,
+    check_rules,
+)
 from service.domain.training import deepspeed_buckets, dtype_bytes, lora_targets, regime
 from service.memory.gpus import GPU, MiB, get_gpu
 from service.memory.shape import ModelShape
@@ -583,3 +589,24 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
             seen.add(s.change)
             unique.append(s)
     return unique[:limit]
+
+
+def reductions(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
+               limit: int = 6) -> list[Change]:
+    """Single changes that lower the predicted peak, lowest peak first (cheapest among equals) — what an
+    out-of-memory post-mortem offers when the job's plan had no suggestions. Changes the spec's rules
+    refuse are not offered."""
+    base = plan(spec, shape, gpu, safety_margin=safety_margin)
+    out = []
+    for name, desc, cost, patch in _candidates(spec, gpu):
+        try:
+            s2 = _patched(spec, patch)
+            if check_rules(s2):
+                continue
+            p = plan(s2, shape, gpu, safety_margin=safety_margin)
+        except Exception:  # noqa: BLE001 - a change the spec rules refuse is not offered
+            continue
+        if p.peak_bytes < base.peak_bytes:
+            out.append(Change(name, desc, cost, p, s2))
+    out.sort(key=lambda x: (x.plan.peak_bytes, x.cost))
+    return out[:limit]
