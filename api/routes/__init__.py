@@ -1,0 +1,1 @@
+"""One router per resource: files, jobs, events (SSE), memory, ingest, health, pages."""

@@ -1,8 +1,7 @@
-"""Memory truth on the service side: the plan a job is submitted with, the pre-flight policy, and
-predicted against measured once the job runs (issue 5, items 3–5). The arithmetic is the planner's
-(service/memory/planner.py); this module decides *which* model shape and *which* capacity a job is planned
-against, what the memory policy does with the answer, and how the answer is compared with what the
-workers measure.
+"""The plan a job is submitted with, and the memory policy applied to it. The arithmetic is the
+planner's (service/memory/planner.py); this module decides *which* model shape and *which* capacity a
+job is planned against, and what ``memory_policy`` does with the answer. Predicted against measured is
+service/memory/compare.py; an OOM's post-mortem is service/memory/oom.py.
 
 - :func:`resolve_shape` — a spec's ``model``, resolved by service/domain/model_ref.py, → its shape: a
   preset's config dict, a directory under ``MEMFIT_MODEL_DIRS`` → its ``config.json``, a hub id → the
@@ -13,20 +12,10 @@ workers measure.
   Capacity: the named GPU (the ``gpu`` override, else ``training.resources.gpu_type``); with no GPU
   named (CPU workers) only ``host_memory_budget_bytes`` is a capacity, and without one the plan is
   informative: it always fits and ``capacity_bytes`` is null.
-- :func:`preflight` — ``memory_policy`` applied at job creation: ``reject`` raises :class:`DoesNotFit`
-  (422 ``insufficient_memory`` with the breakdown and the ranked changes that fit), ``auto`` applies
-  the cheapest change that fits and says so in a job event, ``ignore`` runs as given with a warning.
-- :func:`job_memory_view` — ``GET /v1/fine_tuning/jobs/{id}/memory``; :func:`summary_fields` keeps
-  the short ``memory`` summary on the job current as samples arrive; :func:`oom_error` completes an
-  out-of-memory failure with the dominant category and the planner's suggestions.
-
-Predicted and measured are compared in the categories the telemetry can measure, the way
-bench/memory_accuracy.py does: parameters, gradients and optimizer states at their full size on the
-rank (device + host), activations (saved for backward), temporary (the rest of the peak) and the
-total — the peak of live tensor bytes. On a GPU the plan's ``overhead`` (CUDA context, NCCL buffers,
-allocator rounding) is outside what the allocator's tensors show, so the predicted total compared with
-the measured peak is the plan's peak minus its overhead. Errors are signed: (predicted − measured) /
-measured, negative when the planner under-predicts.
+- :func:`preflight` — ``memory_policy`` applied at job creation (and again by the scheduler's
+  validation): ``reject`` raises :class:`DoesNotFit` (422 ``insufficient_memory`` with the breakdown
+  and the ranked changes that fit), ``auto`` applies the cheapest change that fits and says so in a job
+  event, ``ignore`` runs as given with a warning.
 """
 
 from __future__ import annotations

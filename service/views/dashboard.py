@@ -1,4 +1,4 @@
-"""What the dashboard pages and `memfit jobs memory` show, assembled from the store (no HTTP here).
+"""What the dashboard pages show, assembled from the store (no HTTP here).
 
 - :func:`job_rows`: the jobs list (status, model, strategy, progress, peak memory vs capacity, age);
 - :func:`job_view`: one job's page data — loss/eval-loss and tokens/s per step, memory per category
