@@ -10,7 +10,9 @@ that is not valid JSONL); 401 missing/invalid/revoked key; 404 unknown or anothe
 422 a well-formed request whose values are wrong (spec fields, unknown fields, cross-field rules,
 model, purpose, limit, cursor, Idempotency-Key reused with another body; a job predicted not to fit
 its memory under memory_policy=reject: ``insufficient_memory`` with ``breakdown``, ``suggestions`` and
-``plan`` members, from service.memory.preflight.DoesNotFit).
+``plan`` members, from service.memory.preflight.DoesNotFit); 503 ``database_unavailable`` with
+``Retry-After`` while the database cannot be reached (restarting, failing over): retryable, so the
+workers' ingest sink and clients try again instead of dropping the request.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.domain.errors import DomainError
 
 log = logging.getLogger("memfit.api")
 PROBLEM_BASE = "https://memfit.dev/problems/"
+DATABASE_RETRY_AFTER_S = 2  # a restart of Postgres takes about this long
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                 422: "invalid_request_error", 429: "rate_limit_error"}
@@ -116,6 +120,23 @@ async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     )
 
 
+async def _database(request: Request, exc: Exception) -> JSONResponse:
+    """The database is away (connection refused or closed by a restarting server, a pool that cannot
+    hand out a connection): 503, retryable. Other DBAPI errors (integrity, programming) stay 500s."""
+    away = isinstance(exc, (sa_exc.OperationalError, sa_exc.TimeoutError)) or (
+        isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated)
+    if not away:
+        return await _unhandled(request, exc)
+    cause = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
+    log.warning("database unavailable on %s %s: %s", request.method, request.url.path,
+                str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__)
+    return problem_response(
+        request, status=503, code="database_unavailable", title="Service unavailable",
+        detail="The database is unavailable; retry shortly", retryable=True,
+        headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+    )
+
+
 async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return problem_response(
@@ -128,4 +149,6 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(DomainError, _domain)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(sa_exc.DBAPIError, _database)
+    app.add_exception_handler(sa_exc.TimeoutError, _database)
     app.add_exception_handler(Exception, _unhandled)

@@ -93,6 +93,8 @@ class ThrowawayPostgres:
     root: Path
     process: subprocess.Popen
     port: int
+    bindir: Path | None = None  # what `start_again` runs: the wheel's server, or its copy for `nobody`
+    user: object = None  # None, or the passwd entry of `nobody` it runs as
 
     @property
     def admin_url(self) -> str:
@@ -124,15 +126,7 @@ class ThrowawayPostgres:
         for _ in range(3):  # the free port can be taken between our probe and postgres' bind
             port = _free_port()
             logged = len(log_path.read_text(errors="replace")) if log_path.exists() else 0
-            with open(log_path, "ab") as log_file:
-                process = subprocess.Popen(
-                    [str(bindir / "postgres"), "-D", str(root / "data"), "-c", "listen_addresses=127.0.0.1",
-                     "-c", f"port={port}", "-c", "unix_socket_directories=", "-c", "max_connections=200",
-                     "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"],
-                    cwd=root, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                    start_new_session=True, **_as_user(user),
-                )
-            server = cls(root=root, process=process, port=port)
+            server = cls(root=root, process=_spawn(bindir, root, port, user), port=port, bindir=bindir, user=user)
             try:
                 if server._answers_before(time.monotonic() + START_TIMEOUT_S):
                     return server
@@ -153,6 +147,22 @@ class ThrowawayPostgres:
             time.sleep(0.2)
         return False
 
+    def start_again(self) -> None:
+        """Start the server again after ``stop(remove=False)``: same data directory, same port (what a
+        `pg_ctl restart` does; clients reconnect to the same URL). Returns once it answers."""
+        if self.process.poll() is None:
+            raise RuntimeError("the server is still running")
+        self.process = _spawn(self.bindir, self.root, self.port, self.user)
+        if not self._answers_before(time.monotonic() + START_TIMEOUT_S):
+            self.stop(remove=False)
+            log = (self.root / "postgres.log").read_text(errors="replace")
+            raise Unavailable(f"postgres did not start again on port {self.port}; its log:\n{log[-3000:]}")
+
+    def restart(self) -> None:
+        """Fast shutdown, then start again on the same data directory and port."""
+        self.stop(remove=False)
+        self.start_again()
+
     def stop(self, remove: bool = True) -> None:
         """Fast shutdown (ends open sessions, then exits), then the folder goes."""
         if self.process.poll() is None:
@@ -164,6 +174,18 @@ class ThrowawayPostgres:
                 self.process.wait()
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _spawn(bindir: Path, root: Path, port: int, user) -> subprocess.Popen:
+    """The postmaster on ``root/data`` at 127.0.0.1:``port``, logging to ``root/postgres.log``."""
+    with open(root / "postgres.log", "ab") as log_file:
+        return subprocess.Popen(
+            [str(bindir / "postgres"), "-D", str(root / "data"), "-c", "listen_addresses=127.0.0.1",
+             "-c", f"port={port}", "-c", "unix_socket_directories=", "-c", "max_connections=200",
+             "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"],
+            cwd=root, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True, **_as_user(user),
+        )
 
 
 def _wheel_bindir() -> Path:

@@ -22,7 +22,9 @@ def readyz(request: Request):
     try:
         revision = db.current_revision(engine)
     except Exception as exc:  # noqa: BLE001 - any database failure means "not ready"
-        return JSONResponse({"status": "unavailable", "database": f"error: {type(exc).__name__}"}, status_code=503)
+        # 503 until it answers again: the engine's pre-ping replaces the pool's dead connections then.
+        return JSONResponse({"status": "unavailable", "database": f"error: {type(exc).__name__}"}, status_code=503,
+                            headers={"Retry-After": "2"})
     head = request.app.state.schema_head
     if revision != head:
         return JSONResponse(

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sqlalchemy import or_, select, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.domain.errors import (
@@ -87,6 +88,11 @@ from service.store.tokens import new_ingest_token
 from service.store.transitions import transition
 
 log = logging.getLogger("memfit.scheduler")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # --- the scheduler ------------------------------------------------------------------------------
@@ -134,7 +140,10 @@ class Scheduler:
         while not stop.is_set():
             self.tick()
             stop.wait(self.settings.poll_seconds)
-        self.release_all()
+        try:
+            self.release_all()
+        except OperationalError as exc:  # stopping while the database is away: the leases just expire
+            log.warning("could not release leases (database unavailable): %s", _first_line(exc.orig or exc))
 
     def tick(self) -> None:
         for step in (self.heartbeat, self.validate_pending, self.adopt_expired, self.claim_and_submit,
@@ -143,6 +152,8 @@ class Scheduler:
                 step()
             except RayUnavailable as exc:
                 log.warning("Ray unavailable during %s: %s", step.__name__, exc)
+            except OperationalError as exc:  # the database is away (restart, failover): next tick retries
+                log.warning("database unavailable during %s: %s", step.__name__, _first_line(exc.orig or exc))
             except Exception:  # noqa: BLE001 - one bad tick must not end the loop
                 log.exception("scheduler %s failed", step.__name__)
 

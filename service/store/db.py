@@ -40,7 +40,12 @@ def make_engine(url: str, *, pool_size: int = 20, echo: bool = False) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, echo=echo, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800)
+    # pool_pre_ping: a pooled connection is tested (a cheap round trip) each time it is checked out,
+    # and replaced when the server closed it. Without it, after a Postgres restart every idle
+    # connection in the pool is dead and the first request to draw each one fails; SQLAlchemy only
+    # learns the pool is stale from that failure. pool_recycle only bounds a connection's age.
+    return create_engine(url, echo=echo, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800,
+                         pool_pre_ping=True)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
