@@ -28,6 +28,7 @@ from service.scheduler.local_head import free_port
 from service.store import db
 from tests import pgserver
 from tests.factories import bearer, create_job, new_key, upload
+from workers.sink_http import HttpSink
 
 ROOT = Path(__file__).resolve().parent.parent
 HTTP_TIMEOUT_S = 10
@@ -79,6 +80,24 @@ def assert_retryable_503(response: httpx.Response) -> None:
     assert "Traceback" not in response.text
 
 
+def claim(engine, db_url: str, tmp_path: Path, job_id: str) -> str:
+    """Validate and claim ``job_id`` as the scheduler would (its Ray address never answers: nothing is
+    submitted); the attempt's ingest token."""
+    from service.scheduler.loop import Scheduler
+    from service.scheduler.ray_jobs import RayJobs
+    from tests.factories import settings_for
+
+    sched = Scheduler(db.make_sessionmaker(engine), settings_for(db_url, tmp_path / "storage"),
+                      RayJobs("http://127.0.0.1:9"))
+    sched.validate_pending()
+    return {jid: token for jid, _, token in sched.claim(limit=100)}[job_id]
+
+
+def metrics(step: int) -> dict:
+    return {"kind": "metrics", "attempt": 1, "time": time.time(), "rank": 0, "step": step, "total_steps": 10,
+            "loss": 3.0 / step, "tokens_per_s": 100.0, "trained_tokens": 64 * step, "step_time_s": 0.1}
+
+
 @pytest.mark.timeout(90)
 def test_memfit_serve_survives_a_postgres_restart(server, db_url, tmp_path):
     port = free_port()
@@ -96,9 +115,10 @@ def test_memfit_serve_survives_a_postgres_restart(server, db_url, tmp_path):
                        or proc.poll() is not None, 40, "memfit serve to be ready")
             assert proc.poll() is None, log_path.read_text()[-3000:]
             key = new_key(db.make_sessionmaker(engine))
-            engine.dispose()  # the test's own connection must not hold the server up
             job_id = create_job(http, key, upload(http, key))["id"]
             job_path = f"/v1/fine_tuning/jobs/{job_id}"
+            token = claim(engine, db_url, tmp_path, job_id)  # running, attempt 1, with its ingest token
+            engine.dispose()  # the test's own connections must not hold the server up
 
             # Fill the API's pool with several idle connections (concurrent requests), then restart
             # with no traffic in between: every pooled connection is now stale.
@@ -115,16 +135,28 @@ def test_memfit_serve_survives_a_postgres_restart(server, db_url, tmp_path):
             ready = http.get("/readyz")
             assert ready.status_code == 503, ready.text
             assert_retryable_503(http.get(job_path, headers=bearer(key)))
-            ingest = http.post(f"/v1/internal/jobs/{job_id}/ingest", headers=bearer("not-the-token"),
-                               json={"records": []})
+            ingest = http.post(f"/v1/internal/jobs/{job_id}/ingest", headers=bearer(token),
+                               json={"records": [metrics(1)]})
             assert_retryable_503(ingest)
+            # The workers' sink, posting while the database is away, keeps its records and retries.
+            sink = HttpSink(f"{http.base_url}/v1/internal/jobs/{job_id}/ingest", token, spool=tmp_path / "spool.jsonl",
+                            backoff_base_s=0.05, backoff_max_s=0.3, flush_interval_s=0.01, close_timeout_s=5)
+            try:
+                sink.write_many([metrics(1), metrics(2)])
+                wait_until(lambda: sink.attempts >= 2, 10, "the sink to post (and be refused) twice")
+                assert sink.posted == 0 and sink.stopped_reason is None and sink.dropped == 0
 
-            server.start_again()
+                server.start_again()
+                assert sink.flush(timeout_s=15) and sink.posted == 2 and sink.stopped_reason is None
+            finally:
+                sink.abandon()
             started = time.monotonic()
             wait_until(lambda: status_of(http, "/readyz") == 200, 10, "/readyz to answer 200 again")
             assert time.monotonic() - started < 10
             again = http.get(job_path, headers=bearer(key))
             assert again.status_code == 200 and again.json()["id"] == job_id
+            evs = http.get(f"{job_path}/events?limit=100", headers=bearer(key)).json()["data"]
+            assert sorted(e["data"]["step"] for e in evs if e["type"] == "metrics") == [1, 2]  # each once
             assert proc.poll() is None
         assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
     finally:
