@@ -133,7 +133,7 @@ class ThrowawayPostgres:
             except BaseException:  # e.g. a Ctrl-C while waiting: no server outlives the start
                 server.stop(remove=False)
                 raise
-            how = "timed out" if process.poll() is None else f"exited with {process.returncode}"
+            how = "timed out" if server.process.poll() is None else f"exited with {server.process.returncode}"
             server.stop(remove=False)
             log = log_path.read_text(errors="replace")[logged:]
             if "could not bind" not in log:
