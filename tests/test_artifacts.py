@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 import pytest
 
 from service.jobs.artifacts import is_allowed
-from service.scheduler.paths import job_dir, request_path
+from service.scheduler.paths import attempt_dir, job_dir, request_path
 from tests.factories import create_job, new_key, upload
 from tests.scheduler_support import app_without_ray
 
@@ -88,7 +88,7 @@ def laid_out_job(env, tmp_path) -> tuple[str, str, Path]:
     job = create_job(client, key, upload(client, key))
     sched.validate_pending()
     sched.claim(limit=100)
-    out = job_dir(sched.settings, job["id"])
+    out = attempt_dir(sched.settings, job["id"], 1)  # the claimed attempt's folder: what is served
     for rel, data in {**SERVED, **HIDDEN}.items():
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(data)
@@ -194,7 +194,7 @@ def test_a_real_jobs_artifacts_are_its_model_and_the_token_is_nowhere_a_tenant_r
         r = stack.http.get(f["url"], headers=stack.auth)
         assert r.status_code == 200 and token.encode() not in r.content, f["path"]
 
-    (out / "adapter" / "request.json").symlink_to(request)  # even a symlink to it planted by hand
+    (attempt_dir(stack.settings, job_id, 1) / "adapter" / "request.json").symlink_to(request)  # even a symlink to it planted by hand
     for rel in ["request-attempt-1.json", "metrics-attempt-1.jsonl", "results.json", "adapter/request.json",
                 checkpoint_metrics[0].replace("meta.json", "state.pt"),
                 f"ray/{job_id}/checkpoint_manager_snapshot.json"]:

@@ -134,7 +134,7 @@ def test_replay_keeps_the_fencing_records_of_an_old_attempt_are_refused(env):
     app, _, sched = env
     job_id, _ = running_job(env)
     spool_file.append(spool_path(sched.settings, job_id, 1), run_records(1)[:4])  # attempt 1's run, cut short
-    sched._vanished(job_id, 1, submission_id(job_id, 1))  # Ray lost it: back to the queue …
+    sched._vanished(job_id, 1, submission_id(job_id, 1), "ray_submission_missing")  # Ray lost it: back to the queue …
     assert stored(app, job_id)["metrics"] == [(0, 1), (1, 1)]  # … after storing what it had spooled
     [(claimed, attempt, _)] = [c for c in sched.claim(limit=100) if c[0] == job_id]
     assert attempt == 2

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select, update
 
 from api.app import create_app
-from service.domain.errors import StaleAttempt
+from service.domain.errors import LeaseLost, StaleAttempt
 from service.domain.states import JobStatus
 from service.scheduler.loop import Scheduler
 from service.scheduler.paths import submission_id
@@ -97,7 +97,7 @@ def test_lease_expiry_adoption_and_reclaim_with_next_attempt(env, ray_head):
     [job_id] = queued_jobs(env, 1)
     ray = RayJobs(ray_head.dashboard_url)
     a = Scheduler(app.state.sessions, settings, ray, owner="sched-a")
-    b = Scheduler(app.state.sessions, settings, ray, owner="sched-b")
+    b = Scheduler(app.state.sessions, settings, ray, owner="sched-b", vanish_confirm_s=0)
     [(claimed, attempt, token_1)] = [c for c in a.claim(limit=100) if c[0] == job_id]
     assert attempt == 1
     # a's heartbeat keeps the lease; b may not take a live lease.
@@ -109,13 +109,27 @@ def test_lease_expiry_adoption_and_reclaim_with_next_attempt(env, ray_head):
     with app.state.sessions() as s:
         row = s.get(Job, job_id)
         assert (row.lease_owner, row.attempt, row.status) == ("sched-b", 1, "running")
-    # a is back from the dead: its heartbeat no longer renews the job, its writes are fenced.
+    # a is back from the dead: its heartbeat no longer renews the job, and every write it would
+    # make on what it last knew is refused — the attempt is the same, the lease is not.
     a.heartbeat(force=True)
+    a._fail(job_id, 1, "ray_job_failed", "a's stale view of the job")
+    a._finish(job_id, 1, JobStatus.cancelled, lease_owner=None)
+    a._set_ray_status(job_id, 1, "FAILED")
+    a._vanished(job_id, 1, submission_id(job_id, 1), "ray_submission_missing")
     with app.state.sessions() as s:
-        assert s.get(Job, job_id).lease_owner == "sched-b"
+        row = s.get(Job, job_id)
+        assert (row.lease_owner, row.status, row.attempt, row.ray_status, row.error) == ("sched-b", "running", 1, None, None)
+        with pytest.raises(LeaseLost):
+            transition(s, job_id, JobStatus.failed, expected_attempt=1, expected_owner="sched-a")
+        s.rollback()
 
-    # Ray has no memfit-<id>-1 (a died before submitting): b requeues; the next claim is attempt 2.
+    # Ray has no memfit-<id>-1 (a died before submitting): b requeues — not on the first "does not
+    # exist", only once Ray said so three times in a row — and the next claim is attempt 2.
     assert ray.status(submission_id(job_id, 1)) is None
+    b.reconcile()
+    b.reconcile()
+    with app.state.sessions() as s:
+        assert s.get(Job, job_id).status == "running"
     b.reconcile()
     with app.state.sessions() as s:
         assert s.get(Job, job_id).status == "queued"

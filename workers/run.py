@@ -5,8 +5,9 @@
    and the model (workers/models.py: check_model): one that cannot be loaded fails the job here with
    ``model_unavailable``, once, instead of failing every worker group Ray Train would start;
 3. runs ``TorchTrainer.fit()`` with RunConfig(name=job_id, storage_path=<output_dir>/ray) and the
-   metrics callback; a second run with the same name and storage path resumes from the latest
-   checkpoint of the first (Ray Train V2 reloads the run's checkpoint-manager snapshot);
+   metrics callback. ``output_dir`` is the attempt's own folder (service/scheduler/paths.py:
+   attempt_dir); a worker group Ray Train restarts within the attempt resumes from the run's latest
+   checkpoint, the first one of a new attempt from ``resume_from`` (an earlier attempt's checkpoint);
 4. exits 0, or non-zero with one line of JSON on stderr: {"error": {"code", "message", ...}}.
 
 Connects with ``ray.init(address="auto")`` when RAY_ADDRESS is set (a Ray job always has it) and
@@ -45,6 +46,7 @@ def train_loop_per_worker(config: dict) -> None:
     req = RunRequest.model_validate(config["request"])
     args = train_args(req, fail_at=config.get("fail_at"))
     env = WorkerEnv.from_ray()
+    env.resume_dir = req.resume_from
     try:
         train(args, env)
     except ModelSourceError as exc:

@@ -74,13 +74,14 @@ class WorkerEnv:
 
     @contextlib.contextmanager
     def latest_checkpoint(self):
-        """The directory of the checkpoint to resume from, or None."""
+        """The directory of the checkpoint to resume from, or None: Ray Train's latest of this run
+        (a restart within the attempt), else ``resume_dir`` (RunRequest.resume_from)."""
         if self.in_ray:
             import ray.train
 
             ckpt = ray.train.get_checkpoint()
-            if ckpt is None:
-                yield None
+            if ckpt is None:  # this attempt has made none yet: the one an earlier attempt left, if any
+                yield self.resume_dir
                 return
             with ckpt.as_directory() as d:
                 yield d

@@ -119,6 +119,18 @@ class StaleAttempt(Conflict):
         self.job_id, self.expected, self.actual = job_id, expected, actual
 
 
+class LeaseLost(StaleAttempt):
+    """A scheduler whose lease on a job expired (and was taken by another) tried to change it: its
+    view is out of date, so the write is refused even though the attempt has not moved on."""
+
+    code, title = "lease_lost", "Lease lost"
+
+    def __init__(self, job_id: str, owner: str, holder: str | None, attempt: int):
+        Conflict.__init__(self, f"Job {job_id} is leased to {holder or 'nobody'}, not {owner}")
+        self.job_id, self.expected, self.actual = job_id, attempt, attempt
+        self.owner, self.holder = owner, holder
+
+
 class IdempotencyInFlight(Conflict):
     code, title, retryable = "idempotency_key_in_use", "Request in progress", True
 

@@ -653,6 +653,9 @@ class RunRequest(Strict):
     validation_path: str | None = None
     model_path: str | None = Field(None, description="Resolved local model dir, if the model is not a preset/hub id.")
     output_dir: str = Field(..., description="Job storage: checkpoints and final artifacts land here.")
+    resume_from: str | None = Field(
+        None, description="Checkpoint folder to start from when Ray Train has none of this attempt's own: the "
+                          "latest checkpoint an earlier attempt recorded, staged into this attempt's folder.")
     ingest_url: str | None = Field(None, description="API ingest endpoint for metrics; None writes JSON lines only.")
     ingest_token: str | None = None
     metrics_path: str | None = Field(None, description="JSON-lines sink path (always written when set).")

@@ -52,6 +52,7 @@ from service.domain.records import (
 )
 from service.domain.states import JobStatus
 from service.jobs import metrics
+from service.jobs.artifacts import output_root
 from service.jobs.crud import add_checkpoint, add_events, add_memory_samples, update_job
 from service.memory.compare import summary_fields as memory_summary_fields
 from service.memory.oom import oom_error
@@ -203,7 +204,7 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
             lease_owner=None, desired_state=None, estimated_finish=None,
             **{k: v for k, v in fields.items() if k != "estimated_finish"},
             event_data={"fine_tuned_model": ending.fine_tuned_model,
-                        "artifacts": resolve_artifacts(settings.storage_dir / "jobs" / job.id, ending.artifacts),
+                        "artifacts": resolve_artifacts(output_root(job, settings), ending.artifacts),
                         "result_files": [results.id]},
         )
         status, new = JobStatus.succeeded.value, new + 1
@@ -276,7 +277,7 @@ def _write_results_file(session: Session, settings: Settings, job: Job, r: Resul
     path = out / "results.json"
     body = {
         "job_id": job.id, "attempt": job.attempt, "fine_tuned_model": r.fine_tuned_model,
-        "artifacts": resolve_artifacts(out, r.artifacts), "trained_tokens": r.trained_tokens,
+        "artifacts": resolve_artifacts(output_root(job, settings), r.artifacts), "trained_tokens": r.trained_tokens,
         "metrics": r.metrics,
     }
     data = json.dumps(body, indent=1, default=str).encode()
@@ -292,7 +293,7 @@ def _write_results_file(session: Session, settings: Settings, job: Job, r: Resul
 
 
 def resolve_artifacts(job_dir: Path, artifacts: dict[str, str]) -> dict[str, str]:
-    """Workers name artifacts relative to the job's storage; users get absolute paths."""
+    """Workers name artifacts relative to the attempt's output folder; users get absolute paths."""
     return {name: str(job_dir / path) if not os.path.isabs(path) else path for name, path in artifacts.items()}
 
 

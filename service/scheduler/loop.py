@@ -45,6 +45,7 @@ import logging
 import os
 import secrets
 import shlex
+import shutil
 import socket
 import threading
 import time
@@ -65,12 +66,12 @@ from service.domain.errors import (
 )
 from service.domain.model_ref import resolve_model
 from service.domain.spec import JobSpec, RunRequest
-from service.domain.states import TERMINAL, JobStatus
+from service.domain.states import EVENT_MESSAGES, TERMINAL, JobStatus
 from service.jobs import ingest, metrics
 from service.jobs.crud import add_event, purge_idempotency_keys
 from service.scheduler.paths import (
     INGEST_PATH,
-    job_dir,
+    attempt_dir,
     request_path,
     spool_path,
     submission_id,
@@ -88,6 +89,11 @@ from service.store.tokens import new_ingest_token
 from service.store.transitions import transition
 
 log = logging.getLogger("memfit.scheduler")
+
+# Ray's error types for a run lost with its infrastructure (the supervisor actor, on the head or a
+# node, died), as opposed to the entrypoint failing: such a run is resubmitted, not failed.
+RAY_LOST_RUN = frozenset({"JOB_SUPERVISOR_ACTOR_DIED", "JOB_SUPERVISOR_ACTOR_UNKNOWN_FAILURE"})
+LOST_REASONS = frozenset({"ray_submission_missing", "ray_run_lost"})
 
 
 def _first_line(exc: BaseException) -> str:
@@ -107,6 +113,8 @@ class _Watch:
     pause_since: float | None = None
     logs_checked_at: float = 0.0
     restarts_seen: int = 0
+    missing_since: float | None = None  # Ray first answered "no such submission"
+    missing_answers: int = 0
 
 
 @dataclass
@@ -127,25 +135,66 @@ class Scheduler:
     extra_env: dict[str, str] = field(default_factory=dict)
     # How often the loop deletes Idempotency-Keys past their 24 h life.
     purge_every_s: float = 300.0
+    # A submission Ray says it does not know is requeued only after Ray said so this many times in a
+    # row, over at least vanish_confirm_s (a head that restarts answers "does not exist" while its
+    # GCS reloads; one answer is no proof the run is gone).
+    vanish_confirm_s: float = 10.0
+    vanish_confirm_answers: int = 3
+    # How many times a job is resubmitted after Ray lost its run before it fails ray_run_lost.
+    max_lost_runs: int = 3
     _watch: dict[str, _Watch] = field(default_factory=dict)
     _unsubmitted: dict[tuple[str, int], str] = field(default_factory=dict)  # deferred submissions → token
     _last_heartbeat: float = 0.0
     _last_purge: float | None = None
+    _tick_started: float | None = None
+
+    def __post_init__(self) -> None:
+        # No single Ray call may outlive a lease: one that hangs past half of it is given up (the
+        # loop retries next tick), so the scheduler acts on Ray's answers while it still holds the
+        # jobs — and every write it then makes is fenced on its lease (transition's expected_owner).
+        self.ray.call_timeout_s = min(self.ray.call_timeout_s, self.settings.lease_seconds / 2)
 
     # ---- the loop ----
 
     def run(self, stop: threading.Event) -> None:
         log.info("scheduler %s polling every %.2f s (lease %.0f s, Ray %s)", self.owner,
                  self.settings.poll_seconds, self.settings.lease_seconds, self.ray.address)
+        beats = threading.Thread(target=self._keep_leases, args=(stop,), name="memfit-heartbeat", daemon=True)
+        beats.start()
         while not stop.is_set():
             self.tick()
             stop.wait(self.settings.poll_seconds)
+        beats.join(self.settings.lease_seconds)
         try:
             self.release_all()
         except OperationalError as exc:  # stopping while the database is away: the leases just expire
             log.warning("could not release leases (database unavailable): %s", _first_line(exc.orig or exc))
 
+    def _keep_leases(self, stop: threading.Event) -> None:
+        """Renew the leases every quarter lease from a thread of its own, so a tick slowed by Ray
+        (each call bounded by half a lease) or by a long validation does not let them lapse — but
+        only while the loop is alive: a tick stuck for three leases stops renewing, and another
+        scheduler adopts the jobs."""
+        while not stop.wait(self.settings.lease_seconds / 4):
+            started = self._tick_started
+            if started is not None and time.monotonic() - started > 3 * self.settings.lease_seconds:
+                log.warning("scheduler tick stuck for %.0f s: leases not renewed", time.monotonic() - started)
+                continue
+            try:
+                self.heartbeat(force=True)
+            except OperationalError as exc:
+                log.warning("heartbeat failed (database unavailable): %s", _first_line(exc.orig or exc))
+            except Exception:  # noqa: BLE001 - the next beat retries
+                log.exception("heartbeat failed")
+
     def tick(self) -> None:
+        self._tick_started = time.monotonic()
+        try:
+            self._tick()
+        finally:
+            self._tick_started = None
+
+    def _tick(self) -> None:
         for step in (self.heartbeat, self.validate_pending, self.adopt_expired, self.claim_and_submit,
                      self.reconcile, self.purge_expired_keys):
             try:
@@ -169,7 +218,8 @@ class Scheduler:
         with self.sessions.begin() as s:
             result = s.execute(
                 update(Job)
-                .where(Job.lease_owner == self.owner, Job.status == JobStatus.running.value)
+                .where(Job.lease_owner == self.owner,
+                       Job.status.in_([JobStatus.running.value, JobStatus.validating_files.value]))
                 .values(lease_expires_at=utcnow() + self.lease)
                 .execution_options(synchronize_session=False)
             )
@@ -198,28 +248,51 @@ class Scheduler:
     # ---- validating_files ----
 
     def validate_pending(self) -> int:
-        done = 0
+        """validating_files → queued or failed, in three steps so that no row lock is held while the
+        files are read (up to eight of max_upload_bytes each) and the planner runs — a cancel of a
+        job being validated must not wait for it:
+
+        1. a short transaction takes up to ``batch`` jobs nobody is validating (``SKIP LOCKED``, and
+           a validation lease: ``lease_owner`` = this scheduler until ``lease_expires_at``);
+        2. each is validated outside any transaction;
+        3. a short transaction per job moves it on, fenced on the status and on this scheduler still
+           holding the lease: a job cancelled (or taken over) meanwhile is left as it is."""
+        now = utcnow()
         with self.sessions.begin() as s:
-            jobs = s.scalars(
-                select(Job)
-                .where(Job.status == JobStatus.validating_files.value)
+            ids = list(s.scalars(
+                select(Job.id)
+                .where(Job.status == JobStatus.validating_files.value,
+                       or_(Job.lease_owner.is_(None), Job.lease_expires_at.is_(None), Job.lease_expires_at < now))
                 .order_by(Job.created_at)
                 .limit(self.batch)
                 .with_for_update(skip_locked=True)
-            ).all()
-            for job in jobs:
+            ))
+            if ids:
+                s.execute(update(Job).where(Job.id.in_(ids))
+                          .values(lease_owner=self.owner, lease_expires_at=now + self.lease)
+                          .execution_options(synchronize_session=False))
+        done = 0
+        for job_id in ids:
+            with self.sessions() as s:  # reads only; closed before the result is written
+                job = s.get(Job, job_id)
+                if job is None or job.status != JobStatus.validating_files.value or job.lease_owner != self.owner:
+                    continue
                 try:
                     _, plan = validate_job(s, job, self.settings)
+                    failure = None
                 except ValidationFailed as exc:
-                    _try(transition, s, job.id, JobStatus.failed, error=exc.error,
-                         event_data={"error": exc.error})
-                    metrics.SCHEDULER_FAILURES.labels(exc.error["code"]).inc()  # /metrics
+                    plan, failure = None, exc.error
+            with self.sessions.begin() as s:
+                mine = {"expected_owner": self.owner, "lease_owner": None, "lease_expires_at": None}
+                if failure is not None:
+                    _try(transition, s, job_id, JobStatus.failed, error=failure, event_data={"error": failure}, **mine)
+                    metrics.SCHEDULER_FAILURES.labels(failure["code"]).inc()  # /metrics
                 else:
                     fields = {"plan": plan} if plan is not None else {}
-                    queued = _try(transition, s, job.id, JobStatus.queued, **fields)
-                    if queued is not None and job.desired_state == "pause":  # paused while validating
-                        _try(transition, s, job.id, JobStatus.paused, desired_state=None)
-                done += 1
+                    queued = _try(transition, s, job_id, JobStatus.queued, **fields, **mine)
+                    if queued is not None and queued.desired_state == "pause":  # paused while validating
+                        _try(transition, s, job_id, JobStatus.paused, desired_state=None)
+            done += 1
         return done
 
     # ---- claim ----
@@ -246,7 +319,7 @@ class Scheduler:
                         attempt=attempt, lease_owner=self.owner, lease_expires_at=now + self.lease,
                         ingest_token_hash=token_hash, ray_submission_id=submission_id(job.id, attempt),
                         ray_status=None, desired_state=None, started_at=job.started_at or now,
-                        output_dir=str(job_dir(self.settings, job.id)),
+                        output_dir=str(attempt_dir(self.settings, job.id, attempt)),
                         event_data={"attempt": attempt, "scheduler": self.owner},
                     )
                 except (StaleAttempt, InvalidTransition):
@@ -265,7 +338,7 @@ class Scheduler:
         spec = JobSpec.model_validate(job.spec)
         training = s.get(File, spec.training_file)
         validation = s.get(File, spec.validation_file) if spec.validation_file else None
-        out = job_dir(self.settings, job.id)
+        out = attempt_dir(self.settings, job.id, attempt)
         return RunRequest(
             job_id=job.id,
             attempt=attempt,
@@ -274,17 +347,64 @@ class Scheduler:
             validation_path=validation.path if validation else None,
             model_path=resolve_model(spec.model, self.settings.model_dirs).local_dir,
             output_dir=str(out),
+            resume_from=self._stage_resume(s, job.id, attempt, out),
             ingest_url=self.settings.api_url.rstrip("/") + INGEST_PATH.format(job_id=job.id),
             ingest_token=token,
             metrics_path=str(spool_path(self.settings, job.id, attempt)),
             plan=job.plan,
         )
 
+    def _stage_resume(self, s: Session, job_id: str, attempt: int, out: Path) -> str | None:
+        """The checkpoint this attempt starts from: the newest one the database recorded (only the
+        attempt then current could record it) whose folder is still there, hard-linked into
+        ``<attempt>/resume`` — an earlier attempt's Ray Train, should it still run, deletes its old
+        checkpoints as it makes new ones (num_to_keep), and a link keeps the files alive. Staged
+        once per attempt (a retried submission reuses it); None when there is nothing to resume."""
+        staged = out / "resume"
+        if (staged / "meta.json").is_file():
+            return str(staged)
+        rows = s.execute(select(Checkpoint.step, Checkpoint.path, Checkpoint.attempt)
+                         .where(Checkpoint.job_id == job_id, Checkpoint.attempt < attempt)
+                         .order_by(Checkpoint.step.desc()).limit(10)).all()
+        for step, path, from_attempt in rows:
+            src = Path(path)
+            if not (src / "meta.json").is_file():
+                continue
+            part = out / "resume.part"
+            if part.exists():
+                shutil.rmtree(part)
+            _link_tree(src, part)
+            os.replace(part, staged)
+            with self.sessions.begin() as w:
+                add_event(w, job_id, f"Attempt {attempt} resumes from the checkpoint of step {step} (attempt {from_attempt})",
+                          attempt=attempt, dedupe_key=f"resume-from:{attempt}",
+                          data={"step": step, "checkpoint": path, "from_attempt": from_attempt, "attempt": attempt})
+            return str(staged)
+        return None
+
+    def _stop_earlier_attempts(self, job_id: str, attempt: int) -> None:
+        """A new attempt fences the ones before it in Ray too: any of them still running (a head
+        restart that only lost track of it) is stopped. Its records are refused anyway (ingest is
+        fenced on the attempt) and its files are in its own folder."""
+        for earlier in range(attempt - 1, max(0, attempt - 4), -1):
+            sid = submission_id(job_id, earlier)
+            try:
+                st = self.ray.status(sid)
+                if st is not None and st.status in RAY_ACTIVE:
+                    self.ray.stop(sid)
+                    with self.sessions.begin() as s:
+                        add_event(s, job_id, f"Stopping {sid}, an earlier attempt still running in Ray", level="warn",
+                                  attempt=attempt, dedupe_key=f"stop-earlier:{attempt}:{earlier}",
+                                  data={"submission_id": sid, "attempt": attempt})
+            except RayUnavailable as exc:
+                log.warning("could not check %s: %s", sid, exc)
+
     def submit(self, job_id: str, attempt: int, token: str) -> None:
         sid = submission_id(job_id, attempt)
         with self.sessions() as s:
             job = s.get(Job, job_id)
-            if job is None or job.attempt != attempt or job.status != JobStatus.running.value:
+            if (job is None or job.attempt != attempt or job.status != JobStatus.running.value
+                    or job.lease_owner != self.owner):
                 return
             try:
                 request = self.run_request(s, job, attempt, token)
@@ -292,6 +412,8 @@ class Scheduler:
                 self._fail(job_id, attempt, "submission_failed", f"could not build the run request: {exc}")
                 return
         Path(request.output_dir).mkdir(parents=True, exist_ok=True)
+        if attempt > 1:
+            self._stop_earlier_attempts(job_id, attempt)
         path = request_path(self.settings, job_id, attempt)
         # The file carries the ingest token: outside the folder tenants read, readable by the owner only.
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -396,8 +518,16 @@ class Scheduler:
         st = self.ray.status(sid)
         watch = self._watch.setdefault(job_id, _Watch())
         if st is None:
-            self._vanished(job_id, attempt, sid)
+            # Requeue only on proof: "does not exist" answered again and again, for a while.
+            now = time.monotonic()
+            if watch.missing_since is None:
+                watch.missing_since, watch.missing_answers = now, 0
+            watch.missing_answers += 1
+            if (watch.missing_answers >= self.vanish_confirm_answers
+                    and now - watch.missing_since >= self.vanish_confirm_s):
+                self._vanished(job_id, attempt, sid, "ray_submission_missing")
             return
+        watch.missing_since, watch.missing_answers = None, 0
         if st.status != known:
             self._set_ray_status(job_id, attempt, st.status)
         if st.status in RAY_ACTIVE:
@@ -428,6 +558,11 @@ class Scheduler:
         if st.status == "SUCCEEDED":
             self._fail(job_id, attempt, "missing_result",
                        f"Ray job {sid} succeeded but the worker never reported a result")
+        elif st.status == "FAILED" and st.error_type in RAY_LOST_RUN:
+            # Not the run failing: its supervisor died with the node or head it was on (a head
+            # restart with GCS fault tolerance reads like this). A new attempt resumes from the
+            # latest checkpoint, a bounded number of times.
+            self._vanished(job_id, attempt, sid, "ray_run_lost", detail=f"{st.error_type}: {st.message or ''}")
         elif st.status == "FAILED":
             tail = self.ray.log_tail(sid)
             self._fail(job_id, attempt, "ray_job_failed",
@@ -465,25 +600,43 @@ class Scheduler:
             return False
         return latest > watch.pause_from_step or time.monotonic() - watch.pause_since > self.pause_timeout_s
 
-    def _vanished(self, job_id: str, attempt: int, sid: str) -> None:
-        """Ray does not know the submission: never made (a scheduler died between claim and submit)
-        or lost (head restart). Requeue: the next claim is a new attempt that resumes from the latest
-        checkpoint in the job's storage path. What the lost run spooled is stored first: it may have
-        finished, or checkpointed, before its submission was lost."""
+    def _vanished(self, job_id: str, attempt: int, sid: str, reason: str, detail: str = "") -> None:
+        """Ray does not know the submission — never made (a scheduler died between claim and
+        submit) or lost (head restart) — or its supervisor died with its node. Requeue: the next
+        claim is a new attempt that resumes from the latest recorded checkpoint (staged into its own
+        folder). What the lost run spooled is stored first: it may have finished, or checkpointed,
+        before its submission was lost. After ``max_lost_runs`` such losses the job fails instead."""
         if self._replay_spool(job_id, attempt) != JobStatus.running.value:
             self._watch.pop(job_id, None)
             return
+        if self._lost_runs(job_id) >= self.max_lost_runs:
+            self._fail(job_id, attempt, "ray_run_lost",
+                       f"Ray lost the run {sid} ({detail or reason}); it was already resubmitted "
+                       f"{self.max_lost_runs} times after such losses",
+                       details={"submission_id": sid, "reason": reason})
+            return
         with self.sessions.begin() as s:
             job = s.get(Job, job_id)
-            if job is None or job.attempt != attempt or job.status != JobStatus.running.value:
+            if (job is None or job.attempt != attempt or job.status != JobStatus.running.value
+                    or job.lease_owner != self.owner):
                 return
             if job.desired_state == "cancel":
-                _try(transition, s, job_id, JobStatus.cancelled, expected_attempt=attempt, lease_owner=None)
+                _try(transition, s, job_id, JobStatus.cancelled, expected_attempt=attempt,
+                     expected_owner=self.owner, lease_owner=None)
                 return
-            _try(transition, s, job_id, JobStatus.queued, expected_attempt=attempt, lease_owner=None,
+            _try(transition, s, job_id, JobStatus.queued, expected_attempt=attempt, expected_owner=self.owner,
+                 lease_owner=None,
                  lease_expires_at=None, ray_status=None,
-                 event_data={"reason": "ray_submission_missing", "submission_id": sid, "attempt": attempt})
+                 event_data={"reason": reason, "submission_id": sid, "attempt": attempt,
+                             **({"detail": detail} if detail else {})})
         self._watch.pop(job_id, None)
+
+    def _lost_runs(self, job_id: str) -> int:
+        with self.sessions() as s:
+            data = s.scalars(select(JobEvent.data).where(
+                JobEvent.job_id == job_id, JobEvent.type == "message",
+                JobEvent.message == EVENT_MESSAGES[JobStatus.queued])).all()
+        return sum(1 for d in data if (d or {}).get("reason") in LOST_REASONS)
 
     def _replay_spool(self, job_id: str, attempt: int) -> str | None:
         """Store what the attempt's spool holds past its delivered offset, through service.jobs.ingest —
@@ -545,8 +698,10 @@ class Scheduler:
 
     def _set_ray_status(self, job_id: str, attempt: int, ray_status: str) -> None:
         with self.sessions.begin() as s:
-            s.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt)
-                      .values(ray_status=ray_status).execution_options(synchronize_session=False))
+            result = s.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt, Job.lease_owner == self.owner)
+                               .values(ray_status=ray_status).execution_options(synchronize_session=False))
+            if result.rowcount != 1:
+                return  # not ours any more (adopted by another scheduler) or moved on
             # insert-or-ignore: two schedulers (or a retried tick) may report the same status.
             add_event(s, job_id, f"Ray job {submission_id(job_id, attempt)} is {ray_status}",
                       data={"ray_status": ray_status, "attempt": attempt}, attempt=attempt,
@@ -554,13 +709,26 @@ class Scheduler:
 
     def _finish(self, job_id: str, attempt: int, to: JobStatus, **fields: Any) -> None:
         with self.sessions.begin() as s:
-            _try(transition, s, job_id, to, expected_attempt=attempt, **fields)
+            # Fenced on the lease too: a scheduler that lost the job to another changes nothing.
+            _try(transition, s, job_id, to, expected_attempt=attempt, expected_owner=self.owner, **fields)
         self._watch.pop(job_id, None)
 
     def _fail(self, job_id: str, attempt: int, code: str, message: str, details: dict | None = None) -> None:
         error = ErrorInfo(code=code, message=message, details=details or {}).model_dump(mode="json")
         metrics.SCHEDULER_FAILURES.labels(code).inc()  # /metrics
         self._finish(job_id, attempt, JobStatus.failed, error=error, lease_owner=None)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Copy a folder as hard links (a copy where the file system refuses links)."""
+    for dirpath, _, filenames in os.walk(src):
+        target = dst / Path(dirpath).relative_to(src)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in filenames:
+            try:
+                os.link(Path(dirpath) / name, target / name)
+            except OSError:
+                shutil.copy2(Path(dirpath) / name, target / name)
 
 
 def _try(fn: Callable, *args, **kwargs):

@@ -20,6 +20,16 @@ def job_dir(settings: Settings, job_id: str) -> Path:
     return settings.storage_dir / "jobs" / job_id
 
 
+def attempt_dir(settings: Settings, job_id: str, attempt: int) -> Path:
+    """Everything one attempt writes — Ray Train's run storage and checkpoints, the exported model,
+    its failure records, the checkpoint it resumed from (``resume/``): a folder of its own, so that
+    an earlier attempt still running somewhere (a Ray head restart that lost track of it) cannot
+    overwrite or delete what the current one reads or serves. The job's ``output_dir`` points at the
+    current attempt's folder, and only records of the current attempt are stored (ingest fencing):
+    promoting an attempt's outputs is that one fenced database write."""
+    return job_dir(settings, job_id) / "attempts" / str(attempt)
+
+
 def request_path(settings: Settings, job_id: str, attempt: int) -> Path:
     """Where an attempt's run request lies — it holds the ingest token, so outside the job's output
     folder, in an operator-only folder of the shared storage (every Ray node must read it)."""
