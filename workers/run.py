@@ -8,7 +8,8 @@
    metrics callback. ``output_dir`` is the attempt's own folder (service/scheduler/paths.py:
    attempt_dir); a worker group Ray Train restarts within the attempt resumes from the run's latest
    checkpoint, the first one of a new attempt from ``resume_from`` (an earlier attempt's checkpoint);
-4. exits 0, or non-zero with one line of JSON on stderr: {"error": {"code", "message", ...}}.
+4. exits 0, or non-zero with one line of JSON on stderr: {"error": {"code", "message", ...}} —
+   RUN_LOST_EXIT_CODE, reporting nothing, when Ray lost the run under it (the scheduler resubmits).
 
 Connects with ``ray.init(address="auto")`` when RAY_ADDRESS is set (a Ray job always has it) and
 starts a private local instance otherwise (``address="local"``: never attach to a stranger's cluster).
@@ -23,12 +24,19 @@ import time
 from pathlib import Path
 
 from service.domain.datafmt import DataError, read_jsonl
+from service.domain.errors import RUN_LOST_EXIT_CODE
 from service.domain.spec import RunRequest, SpecError, check_rules
 from workers.models import ModelSourceError, check_model
 from workers.sink import RecordCallback, failure_records, make_sinks
 
 HEALTH_CHECK_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
 FAILURE_FIELDS = ("code", "message", "param", "rank", "step", "phase")  # service/domain/records.py: FailureRecord
+
+
+class RunLost(RuntimeError):
+    """Ray lost the run under it (the head, a raylet or the GCS went away): nothing about the
+    training failed, so no failure is reported — the driver exits RUN_LOST_EXIT_CODE and the
+    scheduler resubmits the job as a new attempt that resumes from the latest checkpoint."""
 
 
 class RunFailed(RuntimeError):
@@ -135,6 +143,8 @@ def fit(req: RunRequest, fail_at: str | None = None):
     try:
         return trainer.fit()
     except Exception as exc:  # noqa: BLE001 - every training failure becomes one structured error
+        if infrastructure_lost(exc):
+            raise RunLost(f"{type(exc).__name__}: {exc}"[:2000]) from exc
         failures = failure_records(req.output_dir, req.attempt, since=started)
         if failures:
             error = {k: failures[0].get(k) for k in FAILURE_FIELDS}
@@ -145,6 +155,22 @@ def fit(req: RunRequest, fail_at: str | None = None):
             sink.write(failures)
             sink.close()
         raise RunFailed(error) from exc
+
+
+def infrastructure_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is Ray losing contact with its own processes — an actor
+    unavailable, a raylet or node gone, an RPC to the GCS failing — rather than the training failing.
+    A worker that died (ActorDiedError: the OOM killer, a segfault) is the training's failure."""
+    import ray.exceptions as rex
+
+    lost = (rex.ActorUnavailableError, rex.LocalRayletDiedError, rex.NodeDiedError, rex.RaySystemError, rex.RpcError)
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, lost):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _failure(req: RunRequest, error: dict) -> dict:
@@ -190,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         init_ray()
         fit(req)
+    except RunLost as exc:
+        print(json.dumps({"error": {"code": "ray_run_lost", "message": str(exc)}}), file=sys.stderr)
+        return RUN_LOST_EXIT_CODE
     except RunFailed as exc:
         print(json.dumps({"error": exc.error}, default=str), file=sys.stderr)
         return 1

@@ -119,6 +119,11 @@ class StaleAttempt(Conflict):
         self.job_id, self.expected, self.actual = job_id, expected, actual
 
 
+# The exit status of a run's driver (workers/run.py) when Ray lost the run under it (EX_TEMPFAIL):
+# the scheduler resubmits the job instead of failing it.
+RUN_LOST_EXIT_CODE = 75
+
+
 class LeaseLost(StaleAttempt):
     """A scheduler whose lease on a job expired (and was taken by another) tried to change it: its
     view is out of date, so the write is refused even though the attempt has not moved on."""

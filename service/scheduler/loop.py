@@ -59,6 +59,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.domain.errors import (
+    RUN_LOST_EXIT_CODE,
     ErrorInfo,
     InvalidTransition,
     JobNotFound,
@@ -69,6 +70,7 @@ from service.domain.spec import JobSpec, RunRequest
 from service.domain.states import EVENT_MESSAGES, TERMINAL, JobStatus
 from service.jobs import ingest, metrics
 from service.jobs.crud import add_event, purge_idempotency_keys
+from service.scheduler import faults
 from service.scheduler.paths import (
     INGEST_PATH,
     attempt_dir,
@@ -292,6 +294,10 @@ class Scheduler:
                     queued = _try(transition, s, job_id, JobStatus.queued, **fields, **mine)
                     if queued is not None and queued.desired_state == "pause":  # paused while validating
                         _try(transition, s, job_id, JobStatus.paused, desired_state=None)
+            with self.sessions.begin() as s:  # cancelled meanwhile: the validation lease goes with it
+                s.execute(update(Job).where(Job.id == job_id, Job.lease_owner == self.owner,
+                                            Job.status != JobStatus.running.value)
+                          .values(lease_owner=None, lease_expires_at=None).execution_options(synchronize_session=False))
             done += 1
         return done
 
@@ -324,6 +330,7 @@ class Scheduler:
                     )
                 except (StaleAttempt, InvalidTransition):
                     continue  # another claimer won it (SQLite) — not ours
+                faults.point("claim")
                 won.append((job.id, attempt, token))
                 metrics.SCHEDULER_CLAIMS.inc()  # /metrics
         return won
@@ -432,6 +439,7 @@ class Scheduler:
             **self.extra_env,
         }
         entrypoint = f"{shlex.quote(self.ray.python)} -m workers.run {shlex.quote(str(path))}"
+        faults.point("before_submit")
         try:
             created = self.ray.submit(sid, entrypoint, env, {"memfit_job_id": job_id, "attempt": str(attempt)})
         except RayUnavailable as exc:
@@ -444,6 +452,7 @@ class Scheduler:
             self._fail(job_id, attempt, "submission_failed", f"Ray refused the submission {sid}: {exc}")
             return
         self._unsubmitted.pop((job_id, attempt), None)
+        faults.point("after_submit")
         with self.sessions.begin() as s:
             add_event(s, job_id, f"Submitted to Ray as {sid}" if created else f"Ray already had {sid}; kept it",
                       data={"submission_id": sid, "attempt": attempt}, attempt=attempt,
@@ -558,10 +567,11 @@ class Scheduler:
         if st.status == "SUCCEEDED":
             self._fail(job_id, attempt, "missing_result",
                        f"Ray job {sid} succeeded but the worker never reported a result")
-        elif st.status == "FAILED" and st.error_type in RAY_LOST_RUN:
+        elif st.status == "FAILED" and (st.error_type in RAY_LOST_RUN or st.driver_exit_code == RUN_LOST_EXIT_CODE):
             # Not the run failing: its supervisor died with the node or head it was on (a head
-            # restart with GCS fault tolerance reads like this). A new attempt resumes from the
-            # latest checkpoint, a bounded number of times.
+            # restart with GCS fault tolerance reads like this), or its driver saw Ray lose the
+            # run's actors (workers/run.py: RunLost). A new attempt resumes from the latest
+            # checkpoint, a bounded number of times.
             self._vanished(job_id, attempt, sid, "ray_run_lost", detail=f"{st.error_type}: {st.message or ''}")
         elif st.status == "FAILED":
             tail = self.ray.log_tail(sid)

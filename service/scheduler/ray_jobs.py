@@ -59,16 +59,19 @@ class RayJobs:
         self.entrypoint_num_cpus = entrypoint_num_cpus
         self._client = None
         self._lock = threading.Lock()
-        # The Jobs API client has no request timeout: each call runs in a small pool and is given up
+        # The Jobs API client has no request timeout: each call — connecting included (the client
+        # asks the head for its version when it is made) — runs in a small pool and is given up
         # after call_timeout_s (the loop must not hang on a stuck head; a late answer is harmless —
         # submissions are create-once by id and every other call is a read or an idempotent stop).
+        # The scheduler lowers it to half its lease.
         self.call_timeout_s = float(os.environ.get("MEMFIT_RAY_CALL_TIMEOUT_S", "60"))
         self._pool = None
+        self._pool_lock = threading.Lock()
 
     def _call(self, fn, *args, **kwargs):
         import concurrent.futures
 
-        with self._lock:
+        with self._pool_lock:  # not self._lock: a pool thread may hold that, stuck connecting
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="memfit-ray")
         future = self._pool.submit(fn, *args, **kwargs)
@@ -105,7 +108,7 @@ class RayJobs:
         """Submit once. Returns True when this call created it, False when it already existed."""
         try:
             self._call(
-                self.client.submit_job,
+                lambda **kw: self.client.submit_job(**kw),
                 entrypoint=entrypoint,
                 submission_id=sid,
                 runtime_env=self.runtime_env(env_vars),
@@ -127,7 +130,7 @@ class RayJobs:
     def status(self, sid: str) -> RayStatus | None:
         """Ray's view of one submission; None when Ray does not know it (never submitted, or lost)."""
         try:
-            info = self._call(self.client.get_job_info, sid)
+            info = self._call(lambda: self.client.get_job_info(sid))
         except RuntimeError as exc:
             if isinstance(exc, RayUnavailable):
                 raise
@@ -145,7 +148,7 @@ class RayJobs:
 
     def stop(self, sid: str) -> bool:
         try:
-            return bool(self._call(self.client.stop_job, sid))
+            return bool(self._call(lambda: self.client.stop_job(sid)))
         except RuntimeError as exc:
             if isinstance(exc, RayUnavailable):
                 raise
@@ -157,7 +160,7 @@ class RayJobs:
 
     def log_tail(self, sid: str, lines: int = 30) -> list[str]:
         try:
-            text = self._call(self.client.get_job_logs, sid)
+            text = self._call(lambda: self.client.get_job_logs(sid))
         except Exception:  # noqa: BLE001 - logs are best effort
             return []
         return text.splitlines()[-lines:]
