@@ -54,9 +54,10 @@ def tenant_key(env):
     return key
 
 
-def run_schemathesis(app, headers: dict[str, str]) -> list[str]:
-    """Every phase (examples, coverage, fuzzing, stateful) and every check, as `schemathesis run` does;
-    the failures, each with the curl command that reproduces it."""
+def run_schemathesis(app, headers: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Every phase (examples, coverage, fuzzing, stateful) and every check, as `schemathesis run` does.
+    Returns the failures, each with the response and the curl command that reproduces it, and how
+    each phase ended (so a phase that silently did nothing fails the test too)."""
     config = schemathesis.Config.from_dict({
         "headers": headers,
         "seed": 14,
@@ -84,9 +85,11 @@ def run_schemathesis(app, headers: dict[str, str]) -> list[str]:
         ],
     })
     schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
-    found = []
+    found, phases = [], {}
     for event in schemathesis.engine.from_schema(schema).execute():
-        if isinstance(event, events.ScenarioFinished) and event.status == Status.FAILURE:
+        if isinstance(event, events.PhaseFinished):
+            phases[event.phase.name.value] = event.status.value
+        elif isinstance(event, events.ScenarioFinished) and event.status == Status.FAILURE:
             for case_id, checks in event.recorder.checks.items():
                 interaction = event.recorder.interactions.get(case_id)
                 response = interaction.response if interaction is not None else None
@@ -100,14 +103,17 @@ def run_schemathesis(app, headers: dict[str, str]) -> list[str]:
             found.append(f"error: {event.__class__.__name__}: {getattr(event, 'value', None) or event.exception!r}")
         elif isinstance(event, events.EngineFinished):
             found.extend(f"after run: {f.title}: {f.message}" for f in event.failures)
-    return sorted(set(found))
+    return sorted(set(found)), phases
 
 
 def test_with_a_key(env, tenant_key):
-    failures = run_schemathesis(env[0], bearer(tenant_key))
+    failures, phases = run_schemathesis(env[0], bearer(tenant_key))
     assert not failures, f"{len(failures)} schemathesis failures:\n" + "\n".join(failures)
+    # The stateful phase ran links it inferred (upload → get/delete the file, create → act on the job).
+    assert {phases.get(p) for p in ("examples", "coverage", "fuzzing", "stateful")} == {"success"}, phases
 
 
 def test_without_a_key(env):
-    failures = run_schemathesis(env[0], {})
+    failures, phases = run_schemathesis(env[0], {})
     assert not failures, f"{len(failures)} schemathesis failures:\n" + "\n".join(failures)
+    assert {phases.get(p) for p in ("coverage", "fuzzing")} == {"success"}, phases
