@@ -73,6 +73,7 @@ _WHEN = {
     409: "Illegal state transition, or an Idempotency-Key whose first request is still in flight",
     413: "Request body over the limit",
     422: "Well-formed request with wrong values; `errors[]` names every field at fault",
+    429: "Too many requests (retry after Retry-After)",
     503: "The database is unavailable (retryable, with Retry-After)",
 }
 
