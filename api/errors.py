@@ -12,7 +12,13 @@ model, purpose, limit, cursor, Idempotency-Key reused with another body; a job p
 its memory under memory_policy=reject: ``insufficient_memory`` with ``breakdown``, ``suggestions`` and
 ``plan`` members, from service.memory.preflight.DoesNotFit); 503 ``database_unavailable`` with
 ``Retry-After`` while the database cannot be reached (restarting, failing over): retryable, so the
-workers' ingest sink and clients try again instead of dropping the request.
+workers' ingest sink and clients try again instead of dropping the request. A value the database
+cannot store (a NUL character in a text field) is a 422 ``invalid_value``, not a 500. A 405 names in
+``Allow`` every method the path serves.
+
+Each route documents the statuses it can answer with ``responses=problems(...)``, all as
+``application/problem+json`` with the ``Problem`` schema (tests/test_schemathesis.py holds the app to
+its document).
 """
 
 from __future__ import annotations

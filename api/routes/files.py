@@ -9,8 +9,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from api.errors import AUTHED, BY_ID, problems
 from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
+from api.errors import AUTHED, BY_ID, problems
 from api.schemas import (
     FileDeletedPublic,
     FilePublic,

@@ -10,8 +10,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from api.errors import problems
 from api.deps import SessionDep, SettingsDep
+from api.errors import problems
 from service.domain.records import IngestBatch
 from service.jobs import ingest
 

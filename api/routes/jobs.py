@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Header, Query, Request
 from fastapi.responses import JSONResponse
 
-from api.errors import AUTHED, BY_ID, problems
 from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
+from api.errors import AUTHED, BY_ID, problems
 from api.schemas import (
     CheckpointPublic,
     EventPublic,

@@ -18,8 +18,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Request
 
-from api.errors import BY_ID, problems
 from api.deps import PrincipalDep, ReadSessionDep, SettingsDep
+from api.errors import BY_ID, problems
 from service.domain.plan import Plan
 from service.jobs.crud import get_job_memory
 from service.memory import preflight

@@ -25,8 +25,8 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from api.errors import BY_ID, problems
 from api.deps import ReadSessionDep, SettingsDep
+from api.errors import BY_ID, problems
 from api.web_auth import COOKIE, WebPrincipalDep, credentials
 from service.domain.errors import NotFound, Unauthorized
 from service.domain.states import JobStatus

@@ -36,8 +36,8 @@ from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.routing import Match
 
-from api.errors import BY_ID, problems
 from api.deps import ReadSessionDep
+from api.errors import BY_ID, problems
 from api.schemas import event_public
 from api.web_auth import WebPrincipalDep
 from service.domain.errors import UnprocessableEntity
