@@ -12,7 +12,13 @@ model, purpose, limit, cursor, Idempotency-Key reused with another body; a job p
 its memory under memory_policy=reject: ``insufficient_memory`` with ``breakdown``, ``suggestions`` and
 ``plan`` members, from service.memory.preflight.DoesNotFit); 503 ``database_unavailable`` with
 ``Retry-After`` while the database cannot be reached (restarting, failing over): retryable, so the
-workers' ingest sink and clients try again instead of dropping the request.
+workers' ingest sink and clients try again instead of dropping the request. A value the database
+cannot store (a NUL character in a text field) is a 422 ``invalid_value``, not a 500. A 405 names in
+``Allow`` every method the path serves.
+
+Each route documents the statuses it can answer with ``responses=problems(...)``, all as
+``application/problem+json`` with the ``Problem`` schema (tests/test_schemathesis.py holds the app to
+its document).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import iter_route_contexts
+from pydantic import BaseModel, Field
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -34,6 +42,58 @@ DATABASE_RETRY_AFTER_S = 2  # a restart of Postgres takes about this long
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                 422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class ProblemItem(BaseModel):
+    param: str | None = None
+    message: str
+    code: str
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class Problem(BaseModel):
+    """An error body (RFC 9457 problem details plus OpenAI's ``error`` object). Some carry more
+    members (``insufficient_memory``: ``breakdown``, ``suggestions``, ``plan``)."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str
+    code: str
+    param: str | None = None
+    errors: list[ProblemItem] = Field(default_factory=list)
+    error: OpenAIError
+
+
+_WHEN = {
+    400: "The request could not be read (malformed JSON or multipart, a file that is not valid JSONL)",
+    401: "Missing, invalid or revoked API key",
+    404: "No such object for this tenant (another tenant's id is a 404 too)",
+    409: "Illegal state transition, or an Idempotency-Key whose first request is still in flight",
+    413: "Request body over the limit",
+    422: "Well-formed request with wrong values; `errors[]` names every field at fault",
+    429: "Too many requests (retry after Retry-After)",
+    503: "The database is unavailable (retryable, with Retry-After)",
+}
+
+
+def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` for the error statuses a route can answer, each an application/problem+json
+    Problem (registered in the document by ``install``)."""
+    return {status: {"description": _WHEN[status], "content": {
+        "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}} for status in statuses}
+
+
+# The statuses every tenant-authenticated route can answer, and those of one addressed by id.
+AUTHED = (401, 422, 503)
+BY_ID = (401, 404, 422, 503)
 
 
 def problem_response(
@@ -111,18 +171,41 @@ async def _validation(request: Request, exc: RequestValidationError) -> JSONResp
     )
 
 
+def _allowed_methods(request: Request) -> str | None:
+    """Every method some route serves at this path. Starlette's 405 names only the first route whose
+    path matched (GET /v1/files/{id} and DELETE /v1/files/{id} are two routes), so Allow was short."""
+    methods: set[str] = set()
+    for route in iter_route_contexts(request.app.routes):  # through the included routers
+        regex = getattr(route, "path_regex", None)
+        if route.methods and regex is not None and regex.match(request.url.path):
+            methods |= route.methods
+    return ", ".join(sorted(methods)) if methods else None
+
+
 async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     codes = {404: "not_found", 405: "method_not_allowed"}
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405 and (allowed := _allowed_methods(request)):
+        headers["Allow"] = allowed
     return problem_response(
         request, status=exc.status_code, code=codes.get(exc.status_code, f"http_{exc.status_code}"),
         title=str(exc.detail) if exc.status_code != 404 else "Not found",
-        detail=str(exc.detail), headers=dict(exc.headers or {}),
+        detail=str(exc.detail), headers=headers,
     )
 
 
 async def _database(request: Request, exc: Exception) -> JSONResponse:
     """The database is away (connection refused or closed by a restarting server, a pool that cannot
-    hand out a connection): 503, retryable. Other DBAPI errors (integrity, programming) stay 500s."""
+    hand out a connection): 503, retryable. A value it cannot store (DataError) is a 422; other DBAPI
+    errors (integrity, programming) stay 500s."""
+    if isinstance(exc, sa_exc.DataError):
+        # A value the database cannot hold (a NUL character in a text field, an integer out of its
+        # column's range) came from the request: the client's fault, not a server error.
+        cause = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else type(exc.orig).__name__
+        return problem_response(
+            request, status=422, code="invalid_value", title="Unprocessable entity",
+            detail=f"A value in the request cannot be stored: {cause}",
+        )
     away = isinstance(exc, (sa_exc.OperationalError, sa_exc.TimeoutError)) or (
         isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated)
     if not away:
@@ -146,6 +229,18 @@ async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
+    build = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            doc = build()
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            problem = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(problem.pop("$defs", {}))
+            schemas["Problem"] = problem
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.add_exception_handler(DomainError, _domain)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)

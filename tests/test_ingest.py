@@ -91,10 +91,11 @@ def test_token_scope_and_missing_token(env):
     job_a, token_a, _ = running_job(env)
     job_b, token_b, key_b = running_job(env)
     r = post(client, job_b, token_a, [metrics(1)])
-    assert r.status_code == 403
-    assert r.json()["code"] == "invalid_ingest_token"
-    assert post(client, job_b, None, [metrics(1)]).status_code == 403
-    assert post(client, job_b, "mfi_not-a-token", [metrics(1)]).status_code == 403
+    assert r.status_code == 404  # as for an unknown id: a token says nothing of other jobs
+    assert r.json()["code"] == "job_not_found"
+    assert post(client, job_b, None, [metrics(1)]).json()["code"] == "invalid_ingest_token"
+    assert post(client, job_b, None, [metrics(1)]).status_code == 401
+    assert post(client, job_b, "mfi_not-a-token", [metrics(1)]).status_code == 404
     assert post(client, "ftjob-doesnotexist", token_a, [metrics(1)]).status_code == 404
     assert [e for e in events(client, key_b, job_b) if e["type"] == "metrics"] == []
     assert post(client, job_a, token_a, [metrics(1)]).status_code == 200

@@ -147,7 +147,7 @@ def test_lease_expiry_adoption_and_reclaim_with_next_attempt(env, ray_head):
     client = env[1]
     r = client.post(f"/v1/internal/jobs/{job_id}/ingest", headers={"Authorization": f"Bearer {token_1}"},
                     json={"records": [{"kind": "metrics", "attempt": 1, "time": 0, "rank": 0, "step": 1}]})
-    assert r.status_code == 403  # attempt 1's token was replaced at the new claim
+    assert r.status_code == 404  # attempt 1's token was replaced at the new claim: it opens nothing
     with app.state.sessions() as s:
         assert s.get(Job, job_id).status == "running"
 

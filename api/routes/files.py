@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
+from api.errors import AUTHED, BY_ID, problems
 from api.schemas import (
     FileDeletedPublic,
     FilePublic,
@@ -44,7 +45,7 @@ _UPLOAD_SCHEMA = {
 }
 
 
-@router.post("", response_model=FilePublic, openapi_extra=_UPLOAD_SCHEMA)
+@router.post("", response_model=FilePublic, openapi_extra=_UPLOAD_SCHEMA, responses=problems(400, 401, 413, 422, 503))
 async def upload_file(request: Request, session: SessionDep, principal: PrincipalDep, settings: SettingsDep):
     limit = settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES
     declared = request.headers.get("content-length")
@@ -84,7 +85,7 @@ def _store(session, principal, settings, upload, purpose):
     return row
 
 
-@router.get("", response_model=ListPublic[FilePublic])
+@router.get("", response_model=ListPublic[FilePublic], responses=problems(*AUTHED))
 def list_files(
     session: ReadSessionDep,
     principal: PrincipalDep,
@@ -96,18 +97,18 @@ def list_files(
     return page_public([file_public(f) for f in page], page.has_more)
 
 
-@router.get("/{file_id}", response_model=FilePublic)
+@router.get("/{file_id}", response_model=FilePublic, responses=problems(*BY_ID))
 def get_file(file_id: str, session: ReadSessionDep, principal: PrincipalDep):
     return file_public(files.get_file(session, principal, file_id))
 
 
-@router.get("/{file_id}/content", response_class=FileResponse)
+@router.get("/{file_id}/content", response_class=FileResponse, responses=problems(*BY_ID))
 def file_content(file_id: str, session: ReadSessionDep, principal: PrincipalDep):
     row = files.get_file(session, principal, file_id)
     return FileResponse(row.path, media_type="application/jsonl", filename=row.filename)
 
 
-@router.delete("/{file_id}", response_model=FileDeletedPublic)
+@router.delete("/{file_id}", response_model=FileDeletedPublic, responses=problems(*BY_ID))
 def delete_file(file_id: str, session: SessionDep, principal: PrincipalDep):
     files.delete_file(session, principal, file_id)
     session.commit()

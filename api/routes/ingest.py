@@ -11,13 +11,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from api.deps import SessionDep, SettingsDep
+from api.errors import problems
 from service.domain.records import IngestBatch
 from service.jobs import ingest
 
 router = APIRouter(prefix="/v1/internal/jobs", tags=["internal"])
 
 
-@router.post("/{job_id}/ingest", summary="Records from a running job (metrics, memory, checkpoints, result)")
+@router.post("/{job_id}/ingest", summary="Records from a running job (metrics, memory, checkpoints, result)",
+             responses=problems(400, 401, 404, 409, 413, 422, 503))
 def ingest_records(job_id: str, batch: IngestBatch, request: Request, session: SessionDep,
                    settings: SettingsDep) -> dict[str, Any]:
     token = ingest.bearer_token(request.headers.get("authorization"))

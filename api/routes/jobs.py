@@ -8,6 +8,7 @@ from fastapi import APIRouter, Body, Header, Query, Request
 from fastapi.responses import JSONResponse
 
 from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
+from api.errors import AUTHED, BY_ID, problems
 from api.schemas import (
     CheckpointPublic,
     EventPublic,
@@ -27,7 +28,7 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 Limit = Annotated[int, Query(ge=1, le=jobs.MAX_LIMIT, description="Page size, 1 to 100.")]
 
 
-@router.post("", response_model=JobPublic)
+@router.post("", response_model=JobPublic, responses=problems(400, 401, 404, 409, 413, 422, 503))
 def create_job(
     request: Request,
     session: SessionDep,
@@ -55,7 +56,7 @@ def _metadata_filter(request: Request) -> dict[str, str]:
     return out
 
 
-@router.get("", response_model=ListPublic[JobPublic])
+@router.get("", response_model=ListPublic[JobPublic], responses=problems(*AUTHED))
 def list_jobs(
     request: Request,
     session: ReadSessionDep,
@@ -70,33 +71,33 @@ def list_jobs(
     return page_public([job_public(j) for j in page], page.has_more)
 
 
-@router.get("/{job_id}", response_model=JobPublic)
+@router.get("/{job_id}", response_model=JobPublic, responses=problems(*BY_ID))
 def get_job(job_id: str, session: ReadSessionDep, principal: PrincipalDep):
     return job_public(jobs.get_job(session, principal, job_id))
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic)
+@router.post("/{job_id}/cancel", response_model=JobPublic, responses=problems(401, 404, 409, 422, 503))
 def cancel_job(job_id: str, session: SessionDep, principal: PrincipalDep):
     return job_public(jobs.cancel_job(session, principal, job_id))
 
 
-@router.post("/{job_id}/pause", response_model=JobPublic)
+@router.post("/{job_id}/pause", response_model=JobPublic, responses=problems(401, 404, 409, 422, 503))
 def pause_job(job_id: str, session: SessionDep, principal: PrincipalDep):
     return job_public(jobs.pause_job(session, principal, job_id))
 
 
-@router.post("/{job_id}/resume", response_model=JobPublic)
+@router.post("/{job_id}/resume", response_model=JobPublic, responses=problems(401, 404, 409, 422, 503))
 def resume_job(job_id: str, session: SessionDep, principal: PrincipalDep):
     return job_public(jobs.resume_job(session, principal, job_id))
 
 
-@router.get("/{job_id}/events", response_model=ListPublic[EventPublic])
+@router.get("/{job_id}/events", response_model=ListPublic[EventPublic], responses=problems(*BY_ID))
 def list_events(job_id: str, session: ReadSessionDep, principal: PrincipalDep, after: str | None = None, limit: Limit = 20):
     page = jobs.list_events(session, principal, job_id, after=after, limit=limit)
     return page_public([event_public(e) for e in page], page.has_more)
 
 
-@router.get("/{job_id}/checkpoints", response_model=ListPublic[CheckpointPublic])
+@router.get("/{job_id}/checkpoints", response_model=ListPublic[CheckpointPublic], responses=problems(*BY_ID))
 def list_checkpoints(
     job_id: str, session: ReadSessionDep, principal: PrincipalDep, after: str | None = None, limit: Limit = 10
 ):

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Request
 
 from api.deps import PrincipalDep, ReadSessionDep, SettingsDep
+from api.errors import BY_ID, problems
 from service.domain.plan import Plan
 from service.jobs.crud import get_job_memory
 from service.memory import preflight
@@ -26,7 +27,7 @@ from service.memory import preflight
 router = APIRouter(tags=["memory"])
 
 
-@router.post("/v1/memory/plan", summary="Predict a job's per-rank memory without creating it", response_model=Plan,
+@router.post("/v1/memory/plan", summary="Predict a job's per-rank memory without creating it", response_model=Plan, responses=problems(400, 401, 413, 422, 503),
              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                  "schema": {"$ref": "#/components/schemas/JobSpec"}}}}})  # api/app.py adds JobSpec
 def plan_memory(
@@ -40,7 +41,7 @@ def plan_memory(
     return preflight.plan_request(body, settings, gpu=gpu, known_gpus=request.app.state.known_gpus)
 
 
-@router.get("/v1/fine_tuning/jobs/{job_id}/memory", tags=["fine-tuning"],
+@router.get("/v1/fine_tuning/jobs/{job_id}/memory", tags=["fine-tuning"], responses=problems(*BY_ID),
             summary="Predicted vs measured memory per rank and category")
 def job_memory(job_id: str, session: ReadSessionDep, principal: PrincipalDep) -> dict[str, Any]:
     return get_job_memory(session, principal, job_id)

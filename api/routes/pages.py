@@ -26,6 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from api.deps import ReadSessionDep, SettingsDep
+from api.errors import BY_ID, problems
 from api.web_auth import COOKIE, WebPrincipalDep, credentials
 from service.domain.errors import NotFound, Unauthorized
 from service.domain.states import JobStatus
@@ -160,7 +161,7 @@ def job_memory_json(job_id: str, session: ReadSessionDep, principal: WebPrincipa
 # --- artifacts ---------------------------------------------------------------------------------
 
 
-@router.get("/v1/fine_tuning/jobs/{job_id}/artifacts", tags=["fine-tuning"],
+@router.get("/v1/fine_tuning/jobs/{job_id}/artifacts", tags=["fine-tuning"], responses=problems(*BY_ID),
             summary="The job's model artefacts: adapter, merged, model, checkpoints' metrics")
 def list_artifacts(job_id: str, session: ReadSessionDep, principal: WebPrincipalDep, settings: SettingsDep):
     job = jobs.get_job(session, principal, job_id)
@@ -169,7 +170,7 @@ def list_artifacts(job_id: str, session: ReadSessionDep, principal: WebPrincipal
                                        for f in files], "has_more": len(files) >= artifacts.MAX_FILES}
 
 
-@router.get("/v1/fine_tuning/jobs/{job_id}/artifacts/{path:path}", tags=["fine-tuning"],
+@router.get("/v1/fine_tuning/jobs/{job_id}/artifacts/{path:path}", tags=["fine-tuning"], responses=problems(*BY_ID),
             summary="Download one of the job's model artefacts", response_class=FileResponse)
 def download_artifact(job_id: str, path: str, session: ReadSessionDep, principal: WebPrincipalDep,
                       settings: SettingsDep) -> Response:

@@ -37,6 +37,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 
 from api.deps import ReadSessionDep
+from api.errors import BY_ID, problems
 from api.schemas import event_public
 from api.web_auth import WebPrincipalDep
 from service.domain.errors import UnprocessableEntity
@@ -253,7 +254,7 @@ async def stream_events(
     )
 
 
-router.add_api_route("/{job_id}/events/stream", stream_events, methods=["GET"],
+router.add_api_route("/{job_id}/events/stream", stream_events, methods=["GET"], responses=problems(*BY_ID),
                      summary="Stream a job's events (Server-Sent Events)", response_class=StreamingResponse)
 router.add_api_route("/{job_id}/events", stream_events, methods=["GET"], route_class_override=StreamQueryRoute,
                      summary="Stream a job's events when stream=true (Server-Sent Events)",

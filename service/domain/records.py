@@ -13,8 +13,14 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 
+def _kind_required(schema: dict[str, Any]) -> None:
+    # `kind` has a default (so a record can be built without naming it), but a batch's records are
+    # told apart by it: the API's JSON schema must say a posted record needs it.
+    schema["required"] = sorted({*schema.get("required", []), "kind"})
+
+
 class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_kind_required)
     attempt: int = Field(..., ge=1)
     time: float = Field(..., description="Unix seconds when the worker produced it.")
 

@@ -4,7 +4,8 @@ The Ray job's HTTP sink posts :class:`service.domain.records.IngestBatch` bodies
 token (a per-attempt secret the scheduler generated at claim time; only its sha256 is stored on the
 job). One batch is one transaction:
 
-- the token must be the job's (a token for job A cannot touch job B: 403), the job must exist (404);
+- the token must be the job's: no token is a 401; a token for job A on job B is a 404, exactly like an
+  unknown job id, so a token reveals nothing about which other jobs exist;
 - every record must belong to the job's current attempt and the job must be ``running`` (or
   ``paused``, whose run is winding down): otherwise 409 and nothing changes — a zombie worker from an
   old attempt, or a late post after ``succeeded``/``failed``/``cancelled``, is refused whole;
@@ -67,7 +68,7 @@ log = logging.getLogger("memfit.ingest")
 
 
 class InvalidIngestToken(DomainError):
-    status, code, title, openai_type = 403, "invalid_ingest_token", "Forbidden", "permission_error"
+    status, code, title, openai_type = 401, "invalid_ingest_token", "Unauthorized", "authentication_error"
 
 
 class JobNotAccepting(Conflict):
@@ -93,11 +94,11 @@ def bearer_token(authorization: str | None) -> str | None:
 
 def ingest(session: Session, settings: Settings, job_id: str, token: str | None, batch: IngestBatch) -> IngestResult:
     """Store one batch for ``job_id`` (see the module docstring). Commits, or raises and changes nothing."""
+    if token is None:
+        raise InvalidIngestToken("ingest needs the job's ingest token: Authorization: Bearer <token>")
     job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
-    if job is None:
-        raise JobNotFound(job_id)
-    if token is None or not ingest_token_matches(token, job.ingest_token_hash):
-        raise InvalidIngestToken(f"this ingest token does not belong to job {job_id}")
+    if job is None or not ingest_token_matches(token, job.ingest_token_hash):
+        raise JobNotFound(job_id)  # another job's token: the same answer as an unknown id
     return _accept(session, settings, job, batch)
 
 
