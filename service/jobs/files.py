@@ -21,6 +21,7 @@ from service.domain.errors import (
     PayloadTooLarge,
     UnprocessableEntity,
 )
+from service.jobs import quotas
 from service.settings import Settings
 from service.store.auth import Principal
 from service.store.db import Page, newest_first_page
@@ -64,6 +65,7 @@ def create_file(
                         f"file is larger than the limit of {settings.max_upload_bytes} bytes", param="file"
                     )
                 out.write(chunk)
+        quotas.check_storage(session, principal.tenant_id, settings, adding_bytes=size)  # 429 past quota_storage_bytes
         try:
             summary = validate_jsonl(partial)
         except DataError as exc:
