@@ -50,7 +50,8 @@ class Settings(BaseSettings):
     max_json_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1024**3,
                                      description="Largest request body outside /v1/files (uploads: max_upload_bytes).")
     max_json_depth: int = Field(64, ge=8, le=512, description="Deepest nesting of arrays/objects in a JSON body.")
-    max_header_bytes: int = Field(32 * 1024, ge=1024, le=1024**2, description="Total size of a request's headers.")
+    max_header_bytes: int = Field(8 * 1024, ge=1024, le=1024**2,
+                                  description="Total size of a request's headers (uvicorn's h11 refuses a head over 16 KiB itself).")
     max_header_count: int = Field(100, ge=8, le=1000, description="How many headers a request may send.")
     rate_limit_enabled: bool = Field(True, description="Answer 429 with Retry-After above the rates below.")
     rate_limit_key_per_s: float = Field(50.0, ge=0, le=100_000, description="Requests per second per API key.")

@@ -336,3 +336,30 @@ def test_every_list_caps_its_page_size_and_refuses_another_tenants_cursor(serve)
             assert_problem(r, 422, "invalid_cursor", repr(cursor))
         r = client.get(f"/v1/fine_tuning/jobs/{other_job}/events", headers=bearer(key))
         assert r.status_code == 404
+
+
+# --- over real HTTP (uvicorn) ---------------------------------------------------------------------------
+
+
+def test_over_real_http_headers_are_431_and_a_chunked_body_is_413_with_the_defaults(db_url, tmp_path):
+    from tests.scheduler_support import LiveServer
+
+    app = create_app(settings_for(db_url, tmp_path / "storage"))
+    server = LiveServer(app).start()
+    try:
+        key = new_key(app.state.sessions)
+        with server.client() as http:
+            r = http.get("/v1/files", headers={**bearer(key), "x-big": "a" * 10_000})
+            assert_problem(r, 431, "headers_too_large", "8192 bytes")
+
+            def chunked():
+                for _ in range(17):
+                    yield b" " * (1024 * 1024)
+
+            r = http.post("/v1/memory/plan", content=chunked(), headers={**bearer(key), "content-type": "application/json"})
+            assert "content-length" not in r.request.headers
+            assert_problem(r, 413, "body_too_large", f"{16 * 1024 * 1024} bytes")
+            assert http.get("/v1/files", headers=bearer(key)).status_code == 200
+    finally:
+        server.stop()
+        app.state.engine.dispose()
