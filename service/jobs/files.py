@@ -65,11 +65,12 @@ def create_file(
                         f"file is larger than the limit of {settings.max_upload_bytes} bytes", param="file"
                     )
                 out.write(chunk)
-        quotas.check_storage(session, principal.tenant_id, settings, adding_bytes=size)  # 429 past quota_storage_bytes
         try:
             summary = validate_jsonl(partial)
         except DataError as exc:
             raise InvalidFile(f"Invalid JSONL in {name!r}: {exc}", param="file") from None
+        # Last, so the tenant's quota lock is held only from here to the caller's commit.
+        quotas.check_storage(session, principal.tenant_id, settings, adding_bytes=size)  # 429 past quota_storage_bytes
         os.replace(partial, final)
     finally:
         partial.unlink(missing_ok=True)
