@@ -7,10 +7,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors, metrics
+from api.limits import MAX_JSON_BODY_BYTES, BodyLimit, HeaderLimit, RateLimit
 from api.routes import files, health, ingest, jobs, memory, pages, stream
-from service.domain.errors import PayloadTooLarge
 from service.settings import Settings, ensure_dirs, get_settings
 from service.store import db
+
+__all__ = ["MAX_JSON_BODY_BYTES", "BodyLimit", "create_app"]  # tests and bench/whatif_app.py import these from here
 
 # Other features add their router here, one line each.
 ROUTERS = [health.router, files.router, stream.router, jobs.router, ingest.router, pages.router, memory.router]  # stream before jobs: it claims …/events?stream=true
@@ -23,42 +25,6 @@ def _known_gpus() -> set[str] | None:
     except ImportError:
         return None
     return set(known_gpus())
-
-
-# JSON bodies (job specs, ingest batches) are small; uploads have their own limit (max_upload_bytes).
-MAX_JSON_BODY_BYTES = 16 * 1024 * 1024
-_UNLIMITED_PATHS = ("/v1/files",)
-
-
-class BodyLimit:
-    """Refuse an over-long JSON body before anything reads it (OWASP API4: resource consumption)."""
-
-    def __init__(self, app, max_bytes: int = MAX_JSON_BODY_BYTES):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in _UNLIMITED_PATHS:
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            from starlette.requests import Request
-
-            response = errors.problem_response(
-                Request(scope), status=413, code="body_too_large", title="Payload too large",
-                detail=f"request body is larger than {self.max_bytes} bytes",
-            )
-            return await response(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:  # a chunked body with no Content-Length
-                raise PayloadTooLarge(f"request body is larger than {self.max_bytes} bytes", code="body_too_large")
-            return message
-
-        return await self.app(scope, limited_receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -87,7 +53,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.known_gpus = _known_gpus()
     app.state.schema_head = db.head_revision()
     errors.install(app)
-    app.add_middleware(BodyLimit)
+    # Outermost last: header limits, then the rate limit, then the body (api/limits.py).
+    app.add_middleware(BodyLimit, max_bytes=settings.max_json_body_bytes, max_depth=settings.max_json_depth)
+    if settings.rate_limit_enabled:
+        app.add_middleware(RateLimit, settings=settings)
+    app.add_middleware(HeaderLimit, max_bytes=settings.max_header_bytes, max_count=settings.max_header_count)
     for router in ROUTERS:
         app.include_router(router)
     pages.install(app)  # the dashboard's static files

@@ -5,12 +5,15 @@ Body: ``type, title, status, detail, instance`` plus memfit's ``code``, ``param`
 code}`` so the openai client raises the matching exception class.
 
 Status codes: 400 the request could not be read (malformed JSON body or multipart, a dataset file
-that is not valid JSONL); 401 missing/invalid/revoked key; 404 unknown or another tenant's object;
-409 illegal state transition or an Idempotency-Key still in flight; 413 upload over the limit;
+that is not valid JSONL, ``json_too_deep``: a body nested past MEMFIT_MAX_JSON_DEPTH); 401
+missing/invalid/revoked key; 404 unknown or another tenant's object;
+409 illegal state transition or an Idempotency-Key still in flight; 413 upload or body over its limit;
 422 a well-formed request whose values are wrong (spec fields, unknown fields, cross-field rules,
 model, purpose, limit, cursor, Idempotency-Key reused with another body; a job predicted not to fit
 its memory under memory_policy=reject: ``insufficient_memory`` with ``breakdown``, ``suggestions`` and
-``plan`` members, from service.memory.preflight.DoesNotFit); 503 ``database_unavailable`` with
+``plan`` members, from service.memory.preflight.DoesNotFit); 429 a quota (``*_quota_exceeded``,
+service.jobs.quotas) or the rate limit (``rate_limit_exceeded`` with ``Retry-After``, api/limits.py);
+431 too many or too large headers (api/limits.py); 503 ``database_unavailable`` with
 ``Retry-After`` while the database cannot be reached (restarting, failing over): retryable, so the
 workers' ingest sink and clients try again instead of dropping the request. A value the database
 cannot store (a NUL character in a text field) is a 422 ``invalid_value``, not a 500. A 405 names in

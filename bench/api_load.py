@@ -128,7 +128,8 @@ def _bench(url: str, args) -> int:
         engine.dispose()
         port = free_port()
         storage = tempfile.mkdtemp(prefix="memfit-bench-")
-        env = {**os.environ, "MEMFIT_DATABASE_URL": url, "MEMFIT_STORAGE_DIR": storage, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "MEMFIT_DATABASE_URL": url, "MEMFIT_STORAGE_DIR": storage, "PYTHONPATH": str(ROOT),
+               "MEMFIT_RATE_LIMIT_ENABLED": "false", "MEMFIT_QUOTA_QUEUED_JOBS": "0"}  # the bench measures the API, not its limits
         server = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", "127.0.0.1",
              "--port", str(port), "--workers", str(args.workers), "--log-level", "warning", "--no-access-log",

@@ -36,7 +36,7 @@ PHASES: list[tuple[str, re.Pattern]] = [(name, re.compile(p)) for name, p in [
     ("thread pool hop: anyio to_thread / run_in_threadpool", r"^(\w+\.)?(run_sync|run_sync_in_worker_thread|run_in_threadpool|_run_sync_endpoint) \((anyio|starlette|fastapi)/"),
     ("worker thread: anyio WorkerThread idle/loop", r"^WorkerThread\.run \(anyio/_backends/_asyncio\.py"),
     ("middleware: api.metrics LatencyMiddleware (histogram observe)", r"\(api/metrics\.py"),
-    ("middleware: api.app BodyLimit", r"\(api/app\.py"),
+    ("middleware: api.limits HeaderLimit / RateLimit / BodyLimit", r"\(api/(app|limits)\.py"),
     ("middleware: api.routes.stream PokeOnWrite", r"^PokeOnWrite\.__call__ \(api/routes/stream\.py"),
     ("starlette: routing / exception middleware / response send", r"\(starlette/"),
     ("uvicorn: h11 HTTP parsing and protocol", r"\((uvicorn|h11)/"),

@@ -11,7 +11,7 @@ The real ``api.app.create_app``, then, for each name in ``BENCH_WHATIF`` (comma-
 - ``pool40``: the sessions bound to an engine whose pool keeps 40 connections instead of 20 (as
   many as anyio's thread pool runs at once), so 32 concurrent requests do not open and close
   overflow connections.
-- ``no_middleware``: memfit's own ASGI middleware removed (LatencyMiddleware, BodyLimit,
+- ``no_middleware``: memfit's own ASGI middleware removed (LatencyMiddleware, HeaderLimit, RateLimit, BodyLimit,
   PokeOnWrite): what they cost per request.
 
 A prototype for measurement only (bench/api_wrk.py ``--whatif``); the fixes belong in api/ and service/.
@@ -26,7 +26,7 @@ from anyio import to_thread
 from fastapi import Request, Security
 
 from api import deps
-from api.app import BodyLimit
+from api.limits import BodyLimit, HeaderLimit, RateLimit
 from api.app import create_app as create_memfit_app
 from api.metrics import LatencyMiddleware
 from api.routes.stream import PokeOnWrite
@@ -76,5 +76,5 @@ def create_app():
         app.state.sessions = db.make_sessionmaker(engine)
         app.state.read_sessions = db.make_read_sessionmaker(engine)
     if "no_middleware" in chosen:
-        app.user_middleware = [m for m in app.user_middleware if m.cls not in (LatencyMiddleware, BodyLimit, PokeOnWrite)]
+        app.user_middleware = [m for m in app.user_middleware if m.cls not in (LatencyMiddleware, BodyLimit, HeaderLimit, RateLimit, PokeOnWrite)]
     return app

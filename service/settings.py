@@ -46,6 +46,25 @@ class Settings(BaseSettings):
     poll_seconds: float = Field(0.5, gt=0, le=60)
     memory_safety_margin: float = Field(0.10, ge=0, le=0.9, description="Headroom kept free on each GPU.")
 
+    # Limits (OWASP API4, README "Limits"). A quota or rate of 0 turns that limit off.
+    max_json_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1024**3,
+                                     description="Largest request body outside /v1/files (uploads: max_upload_bytes).")
+    max_json_depth: int = Field(64, ge=8, le=512, description="Deepest nesting of arrays/objects in a JSON body.")
+    max_header_bytes: int = Field(8 * 1024, ge=1024, le=1024**2,
+                                  description="Total size of a request's headers (uvicorn's h11 refuses a head over 16 KiB itself).")
+    max_header_count: int = Field(100, ge=8, le=1000, description="How many headers a request may send.")
+    rate_limit_enabled: bool = Field(True, description="Answer 429 with Retry-After above the rates below.")
+    rate_limit_key_per_s: float = Field(50.0, ge=0, le=100_000, description="Requests per second per API key.")
+    rate_limit_key_burst: int = Field(500, ge=1, le=1_000_000, description="Requests an idle API key may send at once.")
+    rate_limit_ip_per_s: float = Field(20.0, ge=0, le=100_000,
+                                       description="Requests per second per client IP without an API key.")
+    rate_limit_ip_burst: int = Field(200, ge=1, le=1_000_000, description="Burst per client IP without an API key.")
+    quota_queued_jobs: int = Field(256, ge=0, le=1_000_000,
+                                   description="A tenant's jobs waiting (validating_files, queued, paused).")
+    quota_running_jobs: int = Field(32, ge=0, le=100_000,
+                                    description="A tenant's jobs running at once; the scheduler leaves the rest queued.")
+    quota_storage_bytes: int = Field(50 * 1024**3, ge=0, le=1024**5, description="Bytes of a tenant's uploaded files.")
+
     @field_validator("model_dirs", mode="before")
     @classmethod
     def _split(cls, v):

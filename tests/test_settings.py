@@ -75,6 +75,18 @@ BAD = {
     "lease_seconds": ("abc", "a number from 2 to 3600"),
     "poll_seconds": ("0", "a number > 0 and <= 60"),
     "memory_safety_margin": ("1", "a number from 0 to 0.9"),
+    "max_json_body_bytes": ("10", "an integer from 1024 to"),
+    "max_json_depth": ("2", "an integer from 8 to 512"),
+    "max_header_bytes": ("1", "an integer from 1024 to"),
+    "max_header_count": ("0", "an integer from 8 to 1000"),
+    "rate_limit_enabled": ("maybe", "true or false"),
+    "rate_limit_key_per_s": ("-1", "a number from 0 to"),
+    "rate_limit_key_burst": ("0", "an integer from 1 to"),
+    "rate_limit_ip_per_s": ("fast", "a number from 0 to"),
+    "rate_limit_ip_burst": ("0", "an integer from 1 to"),
+    "quota_queued_jobs": ("-1", "an integer from 0 to"),
+    "quota_running_jobs": ("many", "an integer from 0 to"),
+    "quota_storage_bytes": ("-5", "an integer from 0 to"),
 }
 
 

@@ -31,6 +31,7 @@ from service.domain.errors import (
 from service.domain.model_ref import ModelRefError, resolve_model
 from service.domain.spec import SpecError, derive, validate_spec
 from service.domain.states import JobStatus
+from service.jobs import quotas
 from service.jobs.files import get_file
 from service.memory import preflight as memory
 from service.memory.compare import initial_summary, job_memory_view
@@ -197,6 +198,7 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
     # insufficient_memory), auto returns the spec with the cheapest fitting change, ignore the spec as given.
     preflight = memory.preflight(spec, settings)
     spec = preflight.spec
+    quotas.check_queued(session, principal.tenant_id, settings)  # 429 past quota_queued_jobs; locks until commit
     job = Job(
         id=new_id("ftjob-"),
         tenant_id=principal.tenant_id,

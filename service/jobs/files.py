@@ -21,6 +21,7 @@ from service.domain.errors import (
     PayloadTooLarge,
     UnprocessableEntity,
 )
+from service.jobs import quotas
 from service.settings import Settings
 from service.store.auth import Principal
 from service.store.db import Page, newest_first_page
@@ -68,6 +69,8 @@ def create_file(
             summary = validate_jsonl(partial)
         except DataError as exc:
             raise InvalidFile(f"Invalid JSONL in {name!r}: {exc}", param="file") from None
+        # Last, so the tenant's quota lock is held only from here to the caller's commit.
+        quotas.check_storage(session, principal.tenant_id, settings, adding_bytes=size)  # 429 past quota_storage_bytes
         os.replace(partial, final)
     finally:
         partial.unlink(missing_ok=True)

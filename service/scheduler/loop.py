@@ -68,7 +68,7 @@ from service.domain.errors import (
 from service.domain.model_ref import resolve_model
 from service.domain.spec import JobSpec, RunRequest
 from service.domain.states import EVENT_MESSAGES, TERMINAL, JobStatus
-from service.jobs import ingest, metrics
+from service.jobs import ingest, metrics, quotas
 from service.jobs.crud import add_event, purge_idempotency_keys
 from service.scheduler import faults
 from service.scheduler.paths import (
@@ -310,12 +310,14 @@ class Scheduler:
         with self.sessions.begin() as s:
             jobs = s.scalars(
                 select(Job)
-                .where(Job.status == JobStatus.queued.value)
+                .where(Job.status == JobStatus.queued.value, quotas.claimable(self.settings))
                 .order_by(Job.created_at, Job.id)
                 .limit(limit or self.batch)
                 .with_for_update(skip_locked=True)
             ).all()
             for job in jobs:
+                if not quotas.may_start(s, job.tenant_id, self.settings):
+                    continue  # the tenant is at quota_running_jobs: the job stays queued
                 attempt = job.attempt + 1
                 token, token_hash = new_ingest_token()
                 now = utcnow()
