@@ -11,6 +11,8 @@ a stable machine-readable ``code``, the offending ``param`` (dotted path, or Non
 
 from __future__ import annotations
 
+import errno
+import os
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
@@ -159,6 +161,25 @@ class IdempotencyMismatch(UnprocessableEntity):
 
 class PayloadTooLarge(DomainError):
     status, code, title = 413, "file_too_large", "Payload too large"
+
+
+class StorageFull(DomainError):
+    """The storage volume (settings.storage_dir) has no room left (ENOSPC/EDQUOT) for what was being
+    written; nothing half-written is kept. 507 Insufficient Storage, retryable once space is freed."""
+
+    status, code, title, openai_type = 507, "storage_full", "Insufficient storage", "server_error"
+
+
+STORAGE_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_storage_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is an out-of-space error: an OSError with errno ENOSPC/EDQUOT, or (pyarrow's
+    OSErrors, exceptions re-raised from other processes) one whose text carries strerror(ENOSPC)."""
+    if isinstance(exc, OSError) and exc.errno in STORAGE_FULL_ERRNOS:
+        return True
+    text = str(exc) if exc is not None else ""
+    return any(os.strerror(n) in text for n in STORAGE_FULL_ERRNOS)
 
 
 class DoesNotFit(UnprocessableEntity):

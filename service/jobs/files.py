@@ -2,7 +2,9 @@
 
 The size limit is enforced while copying (the API also stops reading the request body once it is
 over), so an oversized upload never fills the disk; a file that is not valid JSONL for one of the
-three dataset formats is refused with the offending line number and never stored.
+three dataset formats is refused with the offending line number and never stored. A storage volume
+that fills up mid-copy (ENOSPC) is StorageFull (507 ``storage_full``): the partial file is removed and
+no row is recorded.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from service.domain.errors import (
     FileNotFound,
     InvalidFile,
     PayloadTooLarge,
+    StorageFull,
     UnprocessableEntity,
+    is_storage_full,
 )
 from service.settings import Settings
 from service.store.auth import Principal
@@ -51,11 +55,11 @@ def create_file(
     name = os.path.basename(filename or "") or "upload.jsonl"
     file_id = new_id("file-")
     directory = _tenant_dir(settings, principal.tenant_id)
-    directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{file_id}.jsonl"
     partial = directory / f".{file_id}.part"
     size = 0
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         with partial.open("wb") as out:
             while chunk := fileobj.read(CHUNK):
                 size += len(chunk)
@@ -69,6 +73,11 @@ def create_file(
         except DataError as exc:
             raise InvalidFile(f"Invalid JSONL in {name!r}: {exc}", param="file") from None
         os.replace(partial, final)
+    except OSError as exc:
+        if is_storage_full(exc):
+            raise StorageFull(f"no space left in the file storage for {name!r} ({size} bytes received); "
+                              "nothing was stored", param="file") from None
+        raise
     finally:
         partial.unlink(missing_ok=True)
     row = File(

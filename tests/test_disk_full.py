@@ -1,0 +1,109 @@
+"""A full disk on the storage path: uploads answer 507 ``storage_full`` and leave nothing behind; a
+running job whose checkpoint cannot be written fails with ``storage_full``, naming what was being
+written, and nothing half-written is recorded or served.
+
+The storage folder is a small tmpfs mounted for the test (root only: skipped, with the reason,
+where mounting is not allowed)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.factories import jsonl, new_tenant, post_file
+from tests.scheduler_support import app_without_ray
+from tests.test_api_jobs import assert_problem
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """``path`` as a tmpfs of ``size`` (mount -t tmpfs -o size=…), unmounted on exit."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs at {path}: {done.stderr.strip() or done.returncode}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(directory: Path, leave_bytes: int = 0) -> Path:
+    """A ballast file that takes all of ``directory``'s free space but ``leave_bytes``."""
+    ballast = directory / "ballast"
+    with ballast.open("wb") as out:
+        while True:
+            st = os.statvfs(directory)
+            free = st.f_bavail * st.f_frsize - leave_bytes
+            if free <= 0:
+                break
+            try:
+                out.write(b"\0" * min(free, 1 << 20))
+                out.flush()
+            except OSError:
+                break
+    return ballast
+
+
+def rows(n: int, width: int = 200) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"question {i} " + "q" * width},
+                          {"role": "assistant", "content": f"answer {i}"}]} for i in range(n)]
+
+
+def stored_files(storage: Path) -> list[str]:
+    files_dir = storage / "files"
+    return sorted(str(p.relative_to(storage)) for p in files_dir.rglob("*") if p.is_file()) if files_dir.exists() else []
+
+
+# --- (a) uploads -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_storage(tmp_path, new_database):
+    with tmpfs(tmp_path / "storage", "512k") as storage, app_without_ray(new_database, storage) as (app, client, _):
+        yield app, client, storage
+
+
+def test_upload_larger_than_the_free_space_is_507_and_leaves_nothing(small_storage):
+    app, client, storage = small_storage
+    t = new_tenant(app.state.sessions)
+    content = jsonl(rows(4000))  # ~1 MB: more than the whole volume
+    r = post_file(client, t.key, content, filename="big.jsonl")
+    body = assert_problem(r, 507, "storage_full", "file")
+    assert body["error"]["type"] == "server_error" and body["title"] == "Insufficient storage"
+    assert "no space left" in body["detail"] and "'big.jsonl'" in body["detail"]
+    assert r.headers["x-should-retry"] == "false"  # retrying at once cannot help
+    assert client.get("/v1/files", headers=t.headers).json()["data"] == []
+    assert stored_files(storage) == []  # no partial .part file, no final file
+    # The space the failed upload took is free again: a small one is stored.
+    ok = post_file(client, t.key, jsonl(rows(3)), filename="small.jsonl")
+    assert ok.status_code == 200, ok.text
+    assert [f["id"] for f in client.get("/v1/files", headers=t.headers).json()["data"]] == [ok.json()["id"]]
+    assert stored_files(storage) == [f"files/{t.id}/{ok.json()['id']}.jsonl"]
+
+
+def test_upload_onto_a_full_volume_is_507_and_leaves_nothing(small_storage):
+    app, client, storage = small_storage
+    t = new_tenant(app.state.sessions)
+    first = post_file(client, t.key, jsonl(rows(3)), filename="first.jsonl")
+    assert first.status_code == 200, first.text
+    ballast = fill(storage)
+    try:
+        r = post_file(client, t.key, jsonl(rows(50)), filename="second.jsonl")
+        assert_problem(r, 507, "storage_full", "file")
+        listed = client.get("/v1/files", headers=t.headers).json()["data"]
+        assert [f["id"] for f in listed] == [first.json()["id"]]
+        assert stored_files(storage) == [f"files/{t.id}/{first.json()['id']}.jsonl"]
+        # The file stored before the disk filled is intact.
+        got = client.get(f"/v1/files/{first.json()['id']}/content", headers=t.headers)
+        assert got.status_code == 200 and got.content == jsonl(rows(3))
+    finally:
+        ballast.unlink()
