@@ -107,3 +107,36 @@ def test_upload_onto_a_full_volume_is_507_and_leaves_nothing(small_storage):
         assert got.status_code == 200 and got.content == jsonl(rows(3))
     finally:
         ballast.unlink()
+
+
+# --- (b) a running job ---------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_job_whose_checkpoint_does_not_fit_fails_storage_full(new_database, ray_head, tmp_path):
+    """tiny-llama's full fine-tune checkpoint (model + Adam state, ~1.9 MB) does not fit a 1 MB
+    storage volume that holds the uploads, the run request and the record spool."""
+    from tests.test_e2e import Stack
+
+    with tmpfs(tmp_path / "storage", "1m") as storage, new_database() as url:
+        stack = Stack(url, storage, ray_head)
+        try:
+            stack.start_scheduler()
+            job_id = stack.create(strategy="ddp", resources={"num_workers": 1}, max_failures=0,
+                                  hyperparameters={"max_steps": 4}, checkpoint_every_steps=2)
+            job = stack.wait(job_id, ("failed",), timeout=240)
+            error = job["error"]
+            assert error["code"] == "storage_full", error
+            assert error["message"].startswith("no space left on the storage volume while writing checkpoint ")
+            assert str(storage / "jobs" / job_id / "ray") in error["message"]  # names where
+            # Nothing half-written is recorded or served: no checkpoint, no checkpoint folder left.
+            ckpts = stack.http.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=stack.auth).json()
+            assert ckpts["data"] == []
+            listed = stack.http.get(f"/v1/fine_tuning/jobs/{job_id}/artifacts", headers=stack.auth).json()
+            assert listed["data"] == []
+            assert list((storage / "jobs" / job_id).rglob("checkpoint_*")) == []
+            assert [p for p in storage.rglob("*") if p.name.endswith(".part")] == []
+        finally:
+            stack.close()

@@ -182,6 +182,32 @@ def is_storage_full(exc: BaseException | None) -> bool:
     return any(os.strerror(n) in text for n in STORAGE_FULL_ERRNOS)
 
 
+# Where wrappers keep the exception they wrap: Ray Train's WorkerGroupError (a dict rank → error),
+# ControllerError and UserExceptionWithTraceback, Ray's RayTaskError.
+_WRAPPED = ("worker_failures", "controller_failure", "_base_exc", "cause")
+
+
+def find_storage_full(exc: BaseException | None) -> BaseException | None:
+    """The first out-of-space error (:func:`is_storage_full`) in ``exc``, its causes and contexts and
+    what wrappers hold (see _WRAPPED), OSErrors before texts that only mention one; or None."""
+    seen: set[int] = set()
+    queue, texts = [exc], []
+    while queue:
+        e = queue.pop(0)
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in STORAGE_FULL_ERRNOS:
+            return e
+        if is_storage_full(e):
+            texts.append(e)
+        queue += [e.__cause__, e.__context__]
+        for name in _WRAPPED:
+            held = getattr(e, name, None)
+            queue += list(held.values()) if isinstance(held, dict) else [held]
+    return texts[0] if texts else None
+
+
 class DoesNotFit(UnprocessableEntity):
     """memory_policy=reject (or auto with nothing to apply) and the predicted per-rank peak is over
     the usable capacity. Carries the plan, its breakdown and the ranked changes that fit."""
