@@ -27,7 +27,6 @@ directory, or any symlink inside the model directory that resolves outside every
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 from collections.abc import Iterable
@@ -94,7 +93,7 @@ def resolve_model(model: str, model_dirs: Iterable[Path], *, model_path: str | N
                                                      "a local model must lie inside one of them")
         return ModelRef("local", model, path=_model_dir(path, model, dirs))
     for d in dirs:  # a name inside one of the model directories
-        if not _exists(d / model, model):
+        if not _exists(d / model):
             continue
         candidate = _resolve(d / model, model)
         if candidate == d:  # "", "org/..": the model directory itself is no model
@@ -123,19 +122,17 @@ def _resolve(path: Path, model: str) -> Path:
     try:
         return path.resolve()
     except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long for the filesystem …
-        raise ModelRefError("model_not_found", f"model {model!r} cannot be resolved: {exc.strerror or exc}") from None
+        raise ModelRefError("model_not_found", f"model {model!r} cannot be resolved: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-def _exists(path: Path, model: str) -> bool:
+def _exists(path: Path) -> bool:
+    """Whether ``path`` is there (a symlink counts, even a dangling one); a name the filesystem
+    cannot hold (ENAMETOOLONG, ENOTDIR …) is not."""
     try:
         os.lstat(path)
         return True
-    except FileNotFoundError:
+    except OSError:
         return False
-    except OSError as exc:  # ENAMETOOLONG, ENOTDIR, EACCES …
-        if exc.errno == errno.ENOTDIR:
-            return False
-        raise ModelRefError("model_not_found", f"model {model!r} cannot be read: {exc.strerror}") from None
 
 
 def _inside(path: Path, directory: Path) -> bool:

@@ -97,8 +97,9 @@ def create_file(
 
 
 def get_file(session: Session, principal: Principal, file_id: str, *, param: str | None = None) -> File:
-    """The tenant's file, or FileNotFound (also for another tenant's id)."""
-    row = session.get(File, file_id)
+    """The tenant's file, or FileNotFound (also for another tenant's id, and for an id no database
+    can hold: Postgres refuses a NUL byte in text, which would be a 500)."""
+    row = None if "\x00" in file_id else session.get(File, file_id)
     if row is None or row.tenant_id != principal.tenant_id:
         raise FileNotFound(file_id, param=param)
     return row
