@@ -140,3 +140,68 @@ def test_job_whose_checkpoint_does_not_fit_fails_storage_full(new_database, ray_
             assert [p for p in storage.rglob("*") if p.name.endswith(".part")] == []
         finally:
             stack.close()
+
+
+# --- the pieces: exported folders, and what fit() makes of Ray's wrapped errors --------------------
+
+
+def test_an_export_that_does_not_fit_leaves_the_previous_folder_and_no_partial_one(tmp_path):
+    from workers.checkpoint import StorageFullError, _publish_folder
+
+    with tmpfs(tmp_path / "out", "256k") as out:
+        (out / "model").mkdir()
+        (out / "model" / "config.json").write_text("{}")  # a complete export from before
+        with pytest.raises(StorageFullError) as caught:
+            _publish_folder(out, "model", lambda d: (d / "model.safetensors").write_bytes(b"\0" * (1 << 20)))
+        err = caught.value
+        assert err.errno == 28 and err.phase == "export" and err.filename == str(out / "model")
+        assert err.strerror.startswith(f"no space left on the storage volume while writing the final model folder "
+                                       f"to {out / 'model'} (")
+        assert sorted(p.name for p in out.iterdir()) == ["model"]  # no .model.part left
+        assert [p.name for p in (out / "model").iterdir()] == ["config.json"]
+        # With room, the folder is replaced whole.
+        _publish_folder(out, "model", lambda d: (d / "model.safetensors").write_bytes(b"w"))
+        assert [p.name for p in (out / "model").iterdir()] == ["model.safetensors"]
+
+
+def test_fit_reads_storage_full_out_of_rays_wrapped_worker_errors():
+    import pickle
+
+    from ray.train import WorkerGroupError
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+    from ray.train.v2._internal.util import construct_user_exception_with_traceback
+
+    from workers.checkpoint import StorageFullError
+    from workers.run import _storage_full_error
+
+    def over_ray(exc: BaseException) -> BaseException:
+        """As the driver receives a rank's error: wrapped with its traceback text (which holds the
+        causes: pickling drops __cause__) in a WorkerGroupError, pickled."""
+        try:
+            raise exc
+        except BaseException as raised:
+            wrapped = construct_user_exception_with_traceback(raised)
+        return pickle.loads(pickle.dumps(WorkerGroupError("rank 1 failed", {
+            0: UserExceptionWithTraceback(RuntimeError("peer gone"), "tb"), 1: wrapped})))
+
+    full = StorageFullError.writing("checkpoint checkpoint_x", "/s/jobs/j/ray/j/checkpoint_x",
+                                    OSError(28, "Error writing bytes to file. Detail: [errno 28] No space left on device"),
+                                    "checkpoint")
+    assert _storage_full_error(over_ray(full)) == {
+        "code": "storage_full", "rank": 1, "phase": "checkpoint",
+        "message": "no space left on the storage volume while writing checkpoint checkpoint_x to "
+                   "/s/jobs/j/ray/j/checkpoint_x ([Errno 28] Error writing bytes to file. Detail: [errno 28] No space left on device)"}
+    # pyarrow's own OSError, raised as the cause of a library's RuntimeError: still storage_full.
+    try:
+        try:
+            raise OSError(28, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+        except OSError as exc:
+            raise RuntimeError("save failed") from exc
+    except RuntimeError as exc:
+        wrapped = exc
+    error = _storage_full_error(over_ray(wrapped))
+    assert error["code"] == "storage_full" and error["rank"] == 1
+    assert error["message"] == ("no space left on the storage volume: OSError: [Errno 28] Error writing bytes to "
+                                "file. Detail: [errno 28] No space left on device")
+    assert _storage_full_error(over_ray(RuntimeError("a plain bug"))) is None
+    assert _storage_full_error(over_ray(OSError(13, "Permission denied"))) is None

@@ -164,8 +164,9 @@ def _storage_full_error(exc: BaseException) -> dict | None:
         what = found.strerror if found.strerror.startswith("no space left") else (
             f"no space left on the storage volume: {found.strerror}"
             + (f": {found.filename}" if found.filename else ""))
-    else:
-        what = f"no space left on the storage volume: {' '.join(str(found).split())}"
+    else:  # only a text says so (a traceback a wrapper carries): its line that does
+        lines = [line.strip() for line in str(found).splitlines() if "space left" in line or "quota" in line]
+        what = f"no space left on the storage volume: {lines[-1] if lines else ' '.join(str(found).split())}"
     return {"code": "storage_full", "message": what[:2000], "rank": rank, "phase": getattr(found, "phase", None)}
 
 
