@@ -125,7 +125,7 @@ def test_job_whose_checkpoint_does_not_fit_fails_storage_full(new_database, ray_
         try:
             stack.start_scheduler()
             job_id = stack.create(strategy="ddp", resources={"num_workers": 1}, max_failures=0,
-                                  hyperparameters={"max_steps": 4}, checkpoint_every_steps=2)
+                                  hyperparameters={"max_steps": 2}, checkpoint_every_steps=1)
             job = stack.wait(job_id, ("failed",), timeout=240)
             error = job["error"]
             assert error["code"] == "storage_full", error
@@ -205,3 +205,36 @@ def test_fit_reads_storage_full_out_of_rays_wrapped_worker_errors():
                                 "file. Detail: [errno 28] No space left on device")
     assert _storage_full_error(over_ray(RuntimeError("a plain bug"))) is None
     assert _storage_full_error(over_ray(OSError(13, "Permission denied"))) is None
+
+
+def test_a_failure_the_full_spool_cannot_take_is_posted_from_a_temporary_one(tmp_path, new_database):
+    """The job's record spool lies on the full volume: fit()'s failure still reaches the API."""
+    from service.scheduler.paths import INGEST_PATH
+    from service.store.models import Job
+    from tests.factories import create_job, upload
+    from tests.scheduler_support import LiveServer
+    from workers.run import _deliver_failures, _failure
+
+    with tmpfs(tmp_path / "storage", "512k") as storage, app_without_ray(new_database, storage) as (app, client, sched):
+        t = new_tenant(app.state.sessions)
+        job_id = create_job(client, t.key, upload(client, t.key))["id"]
+        sched.validate_pending()
+        [(_, attempt, token)] = [c for c in sched.claim(limit=100) if c[0] == job_id]
+        server = LiveServer(app).start()
+        ballast = None
+        try:
+            with app.state.sessions() as s:
+                req = sched.run_request(s, s.get(Job, job_id), attempt, token)
+            req = req.model_copy(update={"ingest_url": server.url + INGEST_PATH.format(job_id=job_id)})
+            ballast = fill(storage)
+            error = {"code": "storage_full", "message": "no space left on the storage volume while writing checkpoint x",
+                     "rank": 0, "phase": "checkpoint"}
+            _deliver_failures(req, [_failure(req, error)])
+            job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=t.headers).json()
+            assert job["status"] == "failed" and job["error"]["code"] == "storage_full", job
+            spool = Path(req.metrics_path)
+            assert not spool.exists() or b"storage_full" not in spool.read_bytes()  # it went another way
+        finally:
+            server.stop()
+            if ballast is not None:
+                ballast.unlink()
