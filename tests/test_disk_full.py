@@ -8,7 +8,6 @@ where mounting is not allowed)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 from pathlib import Path

@@ -98,7 +98,7 @@ def resolve_model(model: str, model_dirs: Iterable[Path], *, model_path: str | N
         candidate = _resolve(d / model, model)
         if candidate == d:  # "", "org/..": the model directory itself is no model
             continue
-        if not _inside(candidate, d):
+        if not any(_inside(candidate, x) for x in dirs):
             raise ModelRefError("model_not_allowed", f"model {model!r} is a symlink in {d} to a folder outside "
                                                      "MEMFIT_MODEL_DIRS; a local model must lie inside one of them")
         if candidate.is_dir():
@@ -122,7 +122,8 @@ def _resolve(path: Path, model: str) -> Path:
     try:
         return path.resolve()
     except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long for the filesystem …
-        raise ModelRefError("model_not_found", f"model {model!r} cannot be resolved: {getattr(exc, 'strerror', None) or exc}") from None
+        why = getattr(exc, "strerror", None) or exc
+        raise ModelRefError("model_not_found", f"model {model!r} cannot be resolved: {why}") from None
 
 
 def _exists(path: Path) -> bool:
