@@ -247,3 +247,19 @@ def test_artifact_paths_never_leave_the_job_folder(job_folder, path):
     server, key, job_id = job_folder
     assert raw_get(server.url, f"/v1/fine_tuning/jobs/{job_id}/artifacts/{path}", key) == 404
     assert raw_get(server.url, f"/v1/fine_tuning/jobs/{job_id}/artifacts/adapter/adapter_config.json", key) == 200
+
+
+URLS = [m for m, _ in HOSTILE_MODELS if "://" in m or m.startswith("localhost:") or "@" in m]
+
+
+@pytest.mark.parametrize("model", URLS)
+def test_the_workers_refuse_a_url_before_any_request(model, monkeypatch):
+    """Defence in depth: the Ray job's driver (workers/models.py: check_model) resolves the model with
+    the same rule before it would ask the Hub anything, online or not."""
+    from workers.models import ModelSourceError, check_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(ModelSourceError) as caught:
+        check_model(model)
+    assert str(caught.value).startswith(f"model {model!r} is ")
+    assert "Hugging Face Hub" not in str(caught.value)  # refused by the resolver, not by a Hub answer
