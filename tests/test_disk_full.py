@@ -237,3 +237,23 @@ def test_a_failure_the_full_spool_cannot_take_is_posted_from_a_temporary_one(tmp
             server.stop()
             if ballast is not None:
                 ballast.unlink()
+
+
+def test_a_local_checkpoint_that_does_not_fit_leaves_no_partial_folder(tmp_path):
+    """The in-process runner (no Ray) copies each checkpoint under output_dir/checkpoints/."""
+    from types import SimpleNamespace
+
+    from workers.checkpoint import StorageFullError
+    from workers.steps import Progress, WorkerEnv
+
+    with tmpfs(tmp_path / "out", "256k") as out:
+        env = WorkerEnv.local()
+        progress = Progress(SimpleNamespace(output_dir=str(out)), env, total_steps=4, epoch_of=float)
+        with pytest.raises(StorageFullError) as caught:
+            progress.report({"step": 2}, lambda d: (Path(d) / "state.pt").write_bytes(b"\0" * (1 << 20)))
+        assert caught.value.phase == "checkpoint"
+        assert caught.value.strerror.startswith(
+            f"no space left on the storage volume while writing the checkpoint of step 2 to {out / 'checkpoints' / 'step-2'}")
+        assert not (out / "checkpoints" / "step-2").exists() and env.checkpoints == []
+        progress.report({"step": 2}, lambda d: (Path(d) / "meta.json").write_text("{}"))  # room again
+        assert env.checkpoints == [str(out / "checkpoints" / "step-2")]
