@@ -70,8 +70,8 @@ def test_a_name_inside_a_model_dir_comes_before_a_hub_id(dirs):
     err = _refused("empty", dirs)
     assert (err.code, err.message) == ("model_not_found", "model directory 'empty' has no config.json")
     assert _refused("org/", dirs).message == "model directory 'org/' has no config.json"  # a directory, not a model
-    # A symlink inside a model directory that points out of it is not a name inside it.
-    assert _refused("escape", dirs).code == "invalid_model"
+    # A symlink inside a model directory that points out of it is not allowed (tests/test_paths.py).
+    assert _refused("escape", dirs).code == "model_not_allowed"
 
 
 @pytest.mark.parametrize("model", ["not a model", "gpt2", "tiny-nope", "x/", "/", "", "org/.."])

@@ -7,19 +7,64 @@ A checkpoint directory, as Ray Train merges it from every rank's report:
 - ``deepspeed/`` (every rank): DeepSpeed's own sharded checkpoint (engine.save_checkpoint);
 - ``rng-rank<r>.pt`` (every rank): that rank's RNG states.
 The data position is the step itself: the sampler is a pure function of the step (workers/data.py).
+
+A full storage volume never leaves something half-written that looks finished: a checkpoint upload
+that hits ENOSPC removes its folder (:func:`persist_checkpoint`, so Ray never registers it and the
+artifacts routes never list it), and each exported folder is written under a hidden ``.<name>.part``
+name and renamed into place whole (:func:`_publish_folder`). Both raise :class:`StorageFullError`,
+naming what was being written and where; workers/run.py turns it into the job's ``storage_full``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import random
+import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from service.domain.errors import find_storage_full, is_storage_full
 from workers.args import TrainArgs
 
 DS_TAG = "state"
+
+
+class StorageFullError(OSError):
+    """No space left on the storage volume for ``what``; ``str()`` names it and the path. An OSError
+    with errno ENOSPC, so that it survives pickling through Ray and reads as one everywhere."""
+
+    phase: str | None = None  # "checkpoint" or "export"
+
+    @classmethod
+    def writing(cls, what: str, path: str | Path, cause: BaseException, phase: str) -> "StorageFullError":
+        detail = " ".join(str(cause).split())[:300]
+        exc = cls(errno.ENOSPC, f"no space left on the storage volume while writing {what} to {path} ({detail})",
+                  str(path))
+        exc.phase = phase
+        return exc
+
+
+def persist_checkpoint(checkpoint, dir_name: str):
+    """``ray.train.report``'s ``checkpoint_upload_fn``: Ray's own upload, except that a full storage
+    volume leaves no partial checkpoint folder behind (every rank uploads into the same folder; the
+    first to fail removes it) and raises StorageFullError naming it."""
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    try:
+        return storage.persist_current_checkpoint(checkpoint, dir_name)
+    except OSError as exc:
+        if not is_storage_full(exc):
+            raise
+        dest = storage.build_checkpoint_path_from_name(dir_name)
+        with contextlib.suppress(Exception):  # already gone (another rank), or not removable
+            storage.storage_filesystem.delete_dir(dest)
+        raise StorageFullError.writing(f"checkpoint {dir_name}", dest, exc, "checkpoint") from exc
 
 
 def write_meta(d: str, step: int, strategy: str, trained_tokens: int, rank: int) -> None:
@@ -141,16 +186,34 @@ def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenize
         if missing:
             raise RuntimeError(f"trained state lacks adapter weights: {sorted(missing)[:5]}")
         fresh.load_state_dict({k: v for k, v in state_dict.items() if k in trainable}, strict=False)
-        fresh.save_pretrained(out / "adapter")
-        tokenizer.save_pretrained(out / "adapter")
+        _publish_folder(out, "adapter", lambda d: (fresh.save_pretrained(d), tokenizer.save_pretrained(d)))
         artifacts["adapter"] = "adapter"
         if args.merges_adapter:
-            merge_adapter(model_dir, out / "adapter", out / "merged", attention=args.attention)
-            tokenizer.save_pretrained(out / "merged")
+            _publish_folder(out, "merged", lambda d: (
+                merge_adapter(model_dir, out / "adapter", d, attention=args.attention), tokenizer.save_pretrained(d)))
             artifacts["merged"] = "merged"
     else:
         fresh.load_state_dict(state_dict, strict=True)
-        fresh.save_pretrained(out / "model")
-        tokenizer.save_pretrained(out / "model")
+        _publish_folder(out, "model", lambda d: (fresh.save_pretrained(d), tokenizer.save_pretrained(d)))
         artifacts["model"] = "model"
     return artifacts
+
+
+def _publish_folder(out: Path, name: str, write: Callable[[Path], object]) -> Path:
+    """``write`` the folder ``out/name`` under the hidden name ``.name.part`` (which the artifacts
+    routes never serve), then rename it into place; on any failure the partial folder is removed, and
+    a full volume raises StorageFullError naming the folder."""
+    final, partial = out / name, out / f".{name}.part"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        partial.mkdir(parents=True)
+        write(partial)
+        if final.exists():  # a re-export (a resumed run that finished before): replace it whole
+            shutil.rmtree(final)
+        os.replace(partial, final)
+    except BaseException as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        if find_storage_full(exc) is not None:
+            raise StorageFullError.writing(f"the final {name} folder", final, exc, "export") from exc
+        raise
+    return final

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 from service.domain.datafmt import DataError, read_jsonl
-from service.domain.errors import RUN_LOST_EXIT_CODE
+from service.domain.errors import RUN_LOST_EXIT_CODE, find_storage_full
 from service.domain.spec import RunRequest, SpecError, check_rules
 from workers.models import ModelSourceError, check_model
-from workers.sink import RecordCallback, failure_records, make_sinks
+from workers.sink import RecordCallback, _ingest_wait_s, failure_records, make_sinks
 
 HEALTH_CHECK_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
 FAILURE_FIELDS = ("code", "message", "param", "rank", "step", "phase")  # service/domain/records.py: FailureRecord
@@ -149,11 +149,10 @@ def fit(req: RunRequest, fail_at: str | None = None):
         if failures:
             error = {k: failures[0].get(k) for k in FAILURE_FIELDS}
         else:
-            error = {"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"[:2000]}
+            error = _storage_full_error(exc) or {"code": "worker_error",
+                                                 "message": f"{type(exc).__name__}: {exc}"[:2000]}
             failures = [_failure(req, error)]
-        for sink in make_sinks(req):
-            sink.write(failures)
-            sink.close()
+        _deliver_failures(req, failures)
         raise RunFailed(error) from exc
 
 
@@ -171,6 +170,54 @@ def infrastructure_lost(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _storage_full_error(exc: BaseException) -> dict | None:
+    """``storage_full`` when an out-of-space error is anywhere in what fit() raised: in a rank's
+    exception (Ray Train's WorkerGroupError.worker_failures, each a wrapped original), the
+    controller's, or their causes. A worker cannot write a failure file on a full disk, so the error
+    is read from the exception itself. The message names what was being written, and where."""
+    ranks = getattr(exc, "worker_failures", None) or {}
+    found, rank = None, None
+    for r in sorted(ranks):
+        found, rank = find_storage_full(ranks[r]), r
+        if found is not None:
+            break
+    if found is None:
+        found, rank = find_storage_full(exc), None
+    if found is None:
+        return None
+    if isinstance(found, OSError) and found.errno is not None and found.strerror:
+        what = found.strerror if found.strerror.startswith("no space left") else (
+            f"no space left on the storage volume: {found.strerror}"
+            + (f": {found.filename}" if found.filename else ""))
+    else:  # only a text says so (a traceback a wrapper carries): its line that does
+        lines = [line.strip() for line in str(found).splitlines() if "space left" in line or "quota" in line]
+        what = f"no space left on the storage volume: {lines[-1] if lines else ' '.join(str(found).split())}"
+    return {"code": "storage_full", "message": what[:2000], "rank": rank, "phase": getattr(found, "phase", None)}
+
+
+def _deliver_failures(req: RunRequest, failures: list[dict]) -> None:
+    """Write the failure to the run's sinks. Their spool lives in the job's storage: when that volume
+    is full the spool cannot take it, so it is posted from a spool in the temporary directory."""
+    spooled = True
+    for sink in make_sinks(req):
+        try:
+            sink.write(failures)
+        except OSError:  # a JsonlSink on a full volume
+            spooled = False
+        spooled = spooled and not getattr(sink, "dropped", 0)
+        sink.close()
+    if spooled or not req.ingest_url:
+        return
+    from workers.sink_http import HttpSink
+
+    try:
+        sink = HttpSink(req.ingest_url, req.ingest_token, close_timeout_s=_ingest_wait_s())
+    except OSError:
+        return  # the temporary directory is full too: the driver's stderr line is all there is
+    sink.write(failures)
+    sink.close()
 
 
 def _failure(req: RunRequest, error: dict) -> dict:

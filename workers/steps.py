@@ -65,8 +65,13 @@ class WorkerEnv:
         if self.in_ray:
             import ray.train
 
-            ckpt = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-            ray.train.report(metrics, checkpoint=ckpt)
+            from workers.checkpoint import persist_checkpoint
+
+            if checkpoint_dir:  # persist_checkpoint: a full volume leaves no partial checkpoint folder
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
+                                 checkpoint_upload_fn=persist_checkpoint)
+            else:
+                ray.train.report(metrics)
         else:
             self.reports.append(metrics)
             if checkpoint_dir:
@@ -329,8 +334,18 @@ class Progress:
             else:  # local mode keeps the directory: copy it under output_dir
                 import shutil
 
+                from service.domain.errors import find_storage_full
+                from workers.checkpoint import StorageFullError
+
                 keep = Path(self.args.output_dir) / "checkpoints" / f"step-{metrics['step']}"
-                shutil.copytree(d, keep, dirs_exist_ok=True)  # every rank merges its files, like Ray
+                try:
+                    shutil.copytree(d, keep, dirs_exist_ok=True)  # every rank merges its files, like Ray
+                except (OSError, shutil.Error) as exc:
+                    if find_storage_full(exc) is None:
+                        raise
+                    shutil.rmtree(keep, ignore_errors=True)  # never a half-copied checkpoint
+                    raise StorageFullError.writing(f"the checkpoint of step {metrics['step']}", keep, exc,
+                                                   "checkpoint") from exc
                 self.env.report(metrics, str(keep))
 
 

@@ -11,6 +11,8 @@ a stable machine-readable ``code``, the offending ``param`` (dotted path, or Non
 
 from __future__ import annotations
 
+import errno
+import os
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
@@ -176,6 +178,51 @@ class IdempotencyMismatch(UnprocessableEntity):
 
 class PayloadTooLarge(DomainError):
     status, code, title = 413, "file_too_large", "Payload too large"
+
+
+class StorageFull(DomainError):
+    """The storage volume (settings.storage_dir) has no room left (ENOSPC/EDQUOT) for what was being
+    written; nothing half-written is kept. 507 Insufficient Storage, retryable once space is freed."""
+
+    status, code, title, openai_type = 507, "storage_full", "Insufficient storage", "server_error"
+
+
+STORAGE_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_storage_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is an out-of-space error: an OSError with errno ENOSPC/EDQUOT, or (pyarrow's
+    OSErrors, exceptions re-raised from other processes) one whose text carries strerror(ENOSPC)."""
+    if isinstance(exc, OSError) and exc.errno in STORAGE_FULL_ERRNOS:
+        return True
+    text = str(exc) if exc is not None else ""
+    return any(os.strerror(n) in text for n in STORAGE_FULL_ERRNOS)
+
+
+# Where wrappers keep the exception they wrap: Ray Train's WorkerGroupError (a dict rank → error),
+# ControllerError and UserExceptionWithTraceback, Ray's RayTaskError.
+_WRAPPED = ("worker_failures", "controller_failure", "_base_exc", "cause")
+
+
+def find_storage_full(exc: BaseException | None) -> BaseException | None:
+    """The first out-of-space error (:func:`is_storage_full`) in ``exc``, its causes and contexts and
+    what wrappers hold (see _WRAPPED), OSErrors before texts that only mention one; or None."""
+    seen: set[int] = set()
+    queue, texts = [exc], []
+    while queue:
+        e = queue.pop(0)
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in STORAGE_FULL_ERRNOS:
+            return e
+        if is_storage_full(e):
+            texts.append(e)
+        queue += [e.__cause__, e.__context__]
+        for name in _WRAPPED:
+            held = getattr(e, name, None)
+            queue += list(held.values()) if isinstance(held, dict) else [held]
+    return texts[0] if texts else None
 
 
 class DoesNotFit(UnprocessableEntity):

@@ -2,7 +2,9 @@
 
 The size limit is enforced while copying (the API also stops reading the request body once it is
 over), so an oversized upload never fills the disk; a file that is not valid JSONL for one of the
-three dataset formats is refused with the offending line number and never stored.
+three dataset formats is refused with the offending line number and never stored. A storage volume
+that fills up mid-copy (ENOSPC) is StorageFull (507 ``storage_full``): the partial file is removed and
+no row is recorded.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from service.domain.errors import (
     FileNotFound,
     InvalidFile,
     PayloadTooLarge,
+    StorageFull,
     UnprocessableEntity,
+    is_storage_full,
 )
 from service.jobs import quotas
 from service.settings import Settings
@@ -52,11 +56,11 @@ def create_file(
     name = os.path.basename(filename or "") or "upload.jsonl"
     file_id = new_id("file-")
     directory = _tenant_dir(settings, principal.tenant_id)
-    directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{file_id}.jsonl"
     partial = directory / f".{file_id}.part"
     size = 0
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         with partial.open("wb") as out:
             while chunk := fileobj.read(CHUNK):
                 size += len(chunk)
@@ -72,6 +76,11 @@ def create_file(
         # Last, so the tenant's quota lock is held only from here to the caller's commit.
         quotas.check_storage(session, principal.tenant_id, settings, adding_bytes=size)  # 429 past quota_storage_bytes
         os.replace(partial, final)
+    except OSError as exc:
+        if is_storage_full(exc):
+            raise StorageFull(f"no space left in the file storage for {name!r} ({size} bytes received); "
+                              "nothing was stored", param="file") from None
+        raise
     finally:
         partial.unlink(missing_ok=True)
     row = File(
@@ -91,8 +100,9 @@ def create_file(
 
 
 def get_file(session: Session, principal: Principal, file_id: str, *, param: str | None = None) -> File:
-    """The tenant's file, or FileNotFound (also for another tenant's id)."""
-    row = session.get(File, file_id)
+    """The tenant's file, or FileNotFound (also for another tenant's id, and for an id no database
+    can hold: Postgres refuses a NUL byte in text, which would be a 500)."""
+    row = None if "\x00" in file_id else session.get(File, file_id)
     if row is None or row.tenant_id != principal.tenant_id:
         raise FileNotFound(file_id, param=param)
     return row
