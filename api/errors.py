@@ -15,7 +15,8 @@ its memory under memory_policy=reject: ``insufficient_memory`` with ``breakdown`
 service.jobs.quotas) or the rate limit (``rate_limit_exceeded`` with ``Retry-After``, api/limits.py);
 431 too many or too large headers (api/limits.py); 503 ``database_unavailable`` with
 ``Retry-After`` while the database cannot be reached (restarting, failing over): retryable, so the
-workers' ingest sink and clients try again instead of dropping the request. A value the database
+workers' ingest sink and clients try again instead of dropping the request; 507 ``storage_full``
+when the storage volume has no space left for an upload (nothing is stored). A value the database
 cannot store (a NUL character in a text field) is a 422 ``invalid_value``, not a 500. A 405 names in
 ``Allow`` every method the path serves.
 
@@ -84,6 +85,7 @@ _WHEN = {
     422: "Well-formed request with wrong values; `errors[]` names every field at fault",
     429: "Too many requests (retry after Retry-After)",
     503: "The database is unavailable (retryable, with Retry-After)",
+    507: "The storage volume is full (`storage_full`): nothing was stored",
 }
 
 
@@ -95,8 +97,8 @@ def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 # The statuses every tenant-authenticated route can answer, and those of one addressed by id.
-AUTHED = (401, 422, 503)
-BY_ID = (401, 404, 422, 503)
+AUTHED = (401, 422, 429, 503)
+BY_ID = (401, 404, 422, 429, 503)
 
 
 def problem_response(

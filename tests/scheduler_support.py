@@ -52,7 +52,7 @@ class LiveServer:
         return httpx.Client(base_url=self.url, timeout=30)
 
 
-def app_without_ray(new_database, storage: Path):
+def app_without_ray(new_database, storage: Path, **overrides: Any):
     """The app on its own migrated database (``new_database``: the conftest fixture) with a Scheduler whose Ray address never answers: its
     claims hand out attempts and ingest tokens, nothing is submitted. Yields (app, client, scheduler)."""
     from contextlib import contextmanager
@@ -66,7 +66,7 @@ def app_without_ray(new_database, storage: Path):
     @contextmanager
     def _cm():
         with new_database() as url:
-            settings = settings_for(url, storage)
+            settings = settings_for(url, storage, **overrides)
             app = create_app(settings)
             sched = Scheduler(app.state.sessions, settings, RayJobs("http://127.0.0.1:9"))
             with TestClient(app) as client:

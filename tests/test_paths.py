@@ -213,7 +213,7 @@ def test_file_routes_take_ids_not_paths(api, path):
 @pytest.fixture(scope="module")
 def job_folder(new_database, tmp_path_factory):
     """A claimed job whose output folder holds an adapter and symlinks planted to lead out of it."""
-    from service.scheduler.paths import job_dir
+    from service.scheduler.paths import attempt_dir
 
     outside = tmp_path_factory.mktemp("outside")
     (outside / "secret.txt").write_text("SECRET-OUTSIDE")
@@ -222,7 +222,7 @@ def job_folder(new_database, tmp_path_factory):
         job = create_job(client, key, upload(client, key))
         sched.validate_pending()
         sched.claim(limit=100)
-        out = job_dir(sched.settings, job["id"])
+        out = attempt_dir(sched.settings, job["id"], 1)  # the claimed attempt's folder: what is served
         (out / "adapter").mkdir(parents=True)
         (out / "adapter" / "adapter_config.json").write_text("{}")
         (out / "results.json").write_text("SECRET-INSIDE")
@@ -263,3 +263,15 @@ def test_the_workers_refuse_a_url_before_any_request(model, monkeypatch):
         check_model(model)
     assert str(caught.value).startswith(f"model {model!r} is ")
     assert "Hugging Face Hub" not in str(caught.value)  # refused by the resolver, not by a Hub answer
+
+
+@pytest.mark.parametrize("path", ["ftjob-x%00", "..%2F..%2Fetc%2Fpasswd", "%2e%2e", "%252e%252e%252f"])
+def test_job_routes_take_ids_not_paths(api, path):
+    """A NUL byte in a job id (Postgres refuses it in text) is an unknown job, not a 500."""
+    client, key, _ = api
+    server = LiveServer(client.app).start()
+    try:
+        for suffix in ("", "/events", "/checkpoints", "/artifacts", "/memory"):
+            assert raw_get(server.url, f"/v1/fine_tuning/jobs/{path}{suffix}", key) == 404, (path, suffix)
+    finally:
+        server.stop()

@@ -128,7 +128,7 @@ def test_the_head_restarts_mid_job_and_attempt_2_resumes_from_the_latest_checkpo
             assert f"Resumed from the checkpoint of step {resumed_at}" in messages
 
             # None run twice: the new head has attempt 2 only, once.
-            assert RayJobs(head.dashboard_url).submissions_of(job_id) == {submission_id(job_id, 2): "SUCCEEDED"}
+            assert set(RayJobs(head.dashboard_url).submissions_of(job_id)) == {submission_id(job_id, 2)}
             # No metric lost or duplicated: per attempt every (rank, step) once; attempt 2 from the
             # step after its checkpoint to the end, on both ranks.
             by_attempt = metrics_by_attempt(stack, job_id)
@@ -189,7 +189,7 @@ def test_an_attempt_still_running_elsewhere_is_fenced_off(new_database, tmp_path
                 assert Path(path).is_relative_to(attempt_dir(stack.settings, job_id, attempt)), (attempt, path)
             assert all(Path(p).is_relative_to(attempt_dir(stack.settings, job_id, 2))
                        for p in stack.artifacts(job).values())
-            assert RayJobs(other.dashboard_url).submissions_of(job_id) == {submission_id(job_id, 2): "SUCCEEDED"}
+            assert set(RayJobs(other.dashboard_url).submissions_of(job_id)) == {submission_id(job_id, 2)}
             assert_status_never_went_backwards(stack, job_id, requeues=1)
         finally:
             try:

@@ -45,7 +45,7 @@ _UPLOAD_SCHEMA = {
 }
 
 
-@router.post("", response_model=FilePublic, openapi_extra=_UPLOAD_SCHEMA, responses=problems(400, 401, 413, 422, 503))
+@router.post("", response_model=FilePublic, openapi_extra=_UPLOAD_SCHEMA, responses=problems(400, 401, 413, 422, 429, 503, 507))
 async def upload_file(request: Request, session: SessionDep, principal: PrincipalDep, settings: SettingsDep):
     limit = settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES
     declared = request.headers.get("content-length")

@@ -28,7 +28,7 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 Limit = Annotated[int, Query(ge=1, le=jobs.MAX_LIMIT, description="Page size, 1 to 100.")]
 
 
-@router.post("", response_model=JobPublic, responses=problems(400, 401, 404, 409, 413, 422, 503))
+@router.post("", response_model=JobPublic, responses=problems(400, 401, 404, 409, 413, 422, 429, 503))
 def create_job(
     request: Request,
     session: SessionDep,
@@ -76,17 +76,17 @@ def get_job(job_id: str, session: ReadSessionDep, principal: PrincipalDep):
     return job_public(jobs.get_job(session, principal, job_id))
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic, responses=problems(401, 404, 409, 422, 503))
+@router.post("/{job_id}/cancel", response_model=JobPublic, responses=problems(401, 404, 409, 422, 429, 503))
 def cancel_job(job_id: str, session: SessionDep, principal: PrincipalDep):
     return job_public(jobs.cancel_job(session, principal, job_id))
 
 
-@router.post("/{job_id}/pause", response_model=JobPublic, responses=problems(401, 404, 409, 422, 503))
+@router.post("/{job_id}/pause", response_model=JobPublic, responses=problems(401, 404, 409, 422, 429, 503))
 def pause_job(job_id: str, session: SessionDep, principal: PrincipalDep):
     return job_public(jobs.pause_job(session, principal, job_id))
 
 
-@router.post("/{job_id}/resume", response_model=JobPublic, responses=problems(401, 404, 409, 422, 503))
+@router.post("/{job_id}/resume", response_model=JobPublic, responses=problems(401, 404, 409, 422, 429, 503))
 def resume_job(job_id: str, session: SessionDep, principal: PrincipalDep):
     return job_public(jobs.resume_job(session, principal, job_id))
 

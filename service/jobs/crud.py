@@ -235,8 +235,9 @@ def record_preflight(session: Session, job: Job, outcome: memory.PreflightOutcom
 
 
 def get_job(session: Session, principal: Principal, job_id: str) -> Job:
-    """The tenant's job, or JobNotFound (also for another tenant's id)."""
-    job = session.get(Job, job_id)
+    """The tenant's job, or JobNotFound (also for another tenant's id, and for an id no database can
+    hold: Postgres refuses a NUL byte in text, which would be a 500)."""
+    job = None if "\x00" in job_id else session.get(Job, job_id)
     if job is None or job.tenant_id != principal.tenant_id:
         raise JobNotFound(job_id)
     return job
