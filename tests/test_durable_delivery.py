@@ -13,6 +13,7 @@ run ended with part of its spool undelivered, the scheduler stores that part thr
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -343,3 +344,82 @@ def test_a_run_that_ends_while_the_api_is_down_is_finished_by_the_scheduler(new_
             assert stack.metrics_steps(job_id, 0) == stack.metrics_steps(job_id, 1) == list(range(1, STEPS + 1))
         finally:
             stack.close()
+
+
+def session_members(sid: int) -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(p.info["pid"]) == sid:
+                out.append(p.info["pid"])
+        except (ProcessLookupError, PermissionError):
+            continue
+    return out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_memfit_serve_restarted_mid_job_the_run_goes_on_and_its_buffered_records_arrive(new_database, ray_head,
+                                                                                      tmp_path, artifacts_dir):
+    """SIGTERM to `memfit serve` (API and scheduler) while the job trains, then start it again: the
+    run was never stopped (same attempt, one Ray submission), what its sink buffered while the API
+    was away arrives, every metric and memory sample is stored once, the first process left nothing
+    behind, and the status only ever moved forward."""
+    with new_database() as url:
+        engine = db.make_engine(url)
+        sessions = db.make_sessionmaker(engine)
+        storage = tmp_path / "storage"
+        serve = Serve(url, storage, ray_head, artifacts_dir / "api-restart-serve.log").start()
+        try:
+            key = new_key(sessions)
+            with httpx.Client(base_url=serve.url, timeout=30) as http:
+                job_id = create_job(http, key, upload(http, key, chat_rows()), TRAINING)["id"]
+            spool = storage / "jobs" / job_id / "metrics-attempt-1.jsonl"
+
+            def steps_stored() -> int:
+                with sessions() as s:
+                    return s.scalar(select(func.count()).where(JobEvent.job_id == job_id, JobEvent.type == "metrics"))
+
+            wait_until(steps_stored, 600, "the first training step to be stored")
+            first = serve.proc.pid
+            serve.stop(signal.SIGTERM)
+            assert serve.proc.returncode == 0, serve.log_path.read_text()[-2000:]
+            assert session_members(first) == [], "the stopped memfit serve left processes behind"
+            stored_at_stop = steps_stored()
+            # The run goes on while the API is away: its spool grows past what the store holds.
+            wait_until(lambda: spooled(spool)["metrics"] and len(spooled(spool)["metrics"]) > stored_at_stop + RANKS,
+                       300, "the run to train on while the API is down")
+            assert ray_status(ray_head, job_id) == "RUNNING"
+
+            serve.start()  # adopts the job (its lease was released at the stop), keeps its Ray job
+
+            def ended():
+                with sessions() as s:
+                    return s.scalar(select(Job.status).where(Job.id == job_id)) in ("succeeded", "failed", "cancelled")
+
+            wait_until(ended, 600, "the job to end after the restart")
+            with sessions() as s:
+                job = s.get(Job, job_id)
+                assert (job.status, job.attempt) == ("succeeded", 1), job.error
+                metrics = [(d["rank"], d["step"]) for d in s.scalars(
+                    select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.type == "metrics"))]
+                memory = s.execute(select(MemorySample.rank, MemorySample.step, MemorySample.phase)
+                                   .where(MemorySample.job_id == job_id)).all()
+                statuses = [d["status"] for d in s.scalars(select(JobEvent.data).where(
+                    JobEvent.job_id == job_id, JobEvent.type == "message").order_by(JobEvent.id)) if d and "status" in d]
+            held = spooled(spool)
+            assert sorted(metrics) == held["metrics"] == [(r, st) for r in range(RANKS) for st in range(1, STEPS + 1)]
+            assert sorted(memory) == held["memory"]
+            assert statuses == ["queued", "running", "succeeded"], statuses  # forward only, one attempt
+            assert set(RayJobs(ray_head.dashboard_url).submissions_of(job_id)) == {submission_id(job_id, 1)}
+        finally:
+            serve.stop()
+            engine.dispose()
+
+
+def ray_status(ray_head, job_id: str) -> str | None:
+    st = RayJobs(ray_head.dashboard_url).status(submission_id(job_id, 1))
+    return None if st is None else st.status

@@ -11,28 +11,32 @@ back is the scheduler's own requeue, running → queued, each time with its reas
    scheduler keeps asking; the new head does not know ``memfit-<id>-1``; after three such answers
    over ten seconds the job is requeued and attempt 2, in a folder of its own, resumes from the
    latest checkpoint the database recorded (hard-linked into ``attempts/2/resume``).
-2. **a surviving attempt** — memfit is pointed at another Ray cluster while attempt 1 still runs on
-   the first (what a head restart that loses track of a run still running on a worker node looks
-   like to the scheduler). Attempt 2 runs on the new cluster; attempt 1 runs on, and everything it
-   posts after the requeue is refused (its ingest token was replaced), its files stay in
-   ``attempts/1``, and the job's result, artefacts and checkpoints are attempt 2's.
+2. **a surviving attempt** — attempt 1 trains on the cluster while the Jobs API does not know it
+   (what a head restart that loses track of a run still training on a worker node looks like to the
+   scheduler). Attempt 2 is submitted; attempt 1 trains on, and everything it posts after the
+   requeue is refused (its ingest token was replaced), its files stay in ``attempts/1``, and the
+   job's result, artefacts and checkpoints are attempt 2's.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
-from service.scheduler.local_head import LocalRayHead
-from service.scheduler.paths import attempt_dir, spool_path, submission_id
-from service.scheduler.ray_jobs import RAY_ACTIVE, RayJobs
+from service.scheduler.local_head import LocalRayHead, ray_env
+from service.scheduler.paths import attempt_dir, request_path, spool_path, submission_id
+from service.scheduler.ray_jobs import RayJobs
 from service.store.models import Checkpoint, Job, JobEvent
 from tests.test_e2e import Stack, training
 
+ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS = 24
@@ -147,21 +151,31 @@ def test_the_head_restarts_mid_job_and_attempt_2_resumes_from_the_latest_checkpo
             stack.close()
 
 
-def test_an_attempt_still_running_elsewhere_is_fenced_off(new_database, tmp_path, ray_head, own_head):
-    with new_database() as url:
-        stack = Stack(url, tmp_path / "storage", ray_head)  # attempt 1 runs on the session's head
-        stack.start_scheduler()
-        first = stack.ray
-        try:
-            job_id = stack.create(hyperparameters={"max_steps": 60}, checkpoint_every_steps=4,
-                                  resources={"num_workers": 1})
-            wait_for_checkpoint(stack, job_id, 4)
+def test_an_attempt_ray_lost_track_of_that_still_runs_is_fenced_off(new_database, tmp_path, ray_head,
+                                                                   artifacts_dir):
+    """Attempt 1's driver runs on the cluster without the Jobs API knowing it (a scheduler claimed the
+    job, wrote the run request and was SIGKILLed before submitting; the run was then started by hand
+    from that request — what a head restart that lost a run still training elsewhere looks like)."""
+    from tests.test_scheduler_faults import killed_at, scheduler_process
 
-            # memfit is pointed at another cluster; the first keeps running attempt 1.
-            stack.stop_scheduler()  # releases its leases: the next scheduler adopts at once
-            other = own_head()
-            stack.ray = RayJobs(other.dashboard_url)
-            stack.start_scheduler()
+    with new_database() as url:
+        stack = Stack(url, tmp_path / "storage", ray_head)
+        driver = None
+        try:
+            job_id = stack.create(hyperparameters={"max_steps": 150}, checkpoint_every_steps=4,
+                                  resources={"num_workers": 1})
+            marker, log = tmp_path / "at-point", artifacts_dir / "scheduler-lost-run.log"
+            killed_at(scheduler_process(url, stack.settings.storage_dir, ray_head, stack.server.url,
+                                        "before_submit", marker, log), marker, log)
+            with open(artifacts_dir / "lost-run-driver.log", "ab") as out:
+                driver = subprocess.Popen(
+                    [sys.executable, "-m", "workers.run", str(request_path(stack.settings, job_id, 1))],
+                    cwd=ROOT, env={**ray_env(), "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_head.address},
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            wait_for_checkpoint(stack, job_id, 4)
+            assert stack.ray.status(submission_id(job_id, 1)) is None  # the Jobs API never had it
+
+            stack.start_scheduler()  # adopts it, finds no submission (three times, ten seconds): attempt 2
 
             def on_attempt_2():
                 with stack.app.state.sessions() as s:
@@ -170,32 +184,30 @@ def test_an_attempt_still_running_elsewhere_is_fenced_off(new_database, tmp_path
             with stack.app.state.sessions() as s:
                 requeued_at = s.scalar(select(JobEvent.id).where(
                     JobEvent.job_id == job_id, JobEvent.message == "Job queued").order_by(JobEvent.id.desc()).limit(1))
-            assert first.status(submission_id(job_id, 1)).status in RAY_ACTIVE  # it really survives
+            assert driver.poll() is None  # attempt 1 really survives the requeue
 
             job = stack.wait(job_id, ("succeeded",), timeout=900)
-            spool_1 = spool_path(stack.settings, job_id, 1)
             with stack.app.state.sessions() as s:
                 late = s.scalars(select(JobEvent.data).where(
                     JobEvent.job_id == job_id, JobEvent.attempt == 1, JobEvent.id > requeued_at)).all()
                 checkpoints = s.execute(select(Checkpoint.attempt, Checkpoint.path).where(Checkpoint.job_id == job_id)).all()
                 row = s.get(Job, job_id)
-            # Attempt 1 went on posting (its spool grew past the requeue) and none of it was stored.
-            posted_after = [json.loads(line) for line in spool_1.read_text().splitlines()]
-            assert max(r.get("step") or 0 for r in posted_after if r.get("kind") == "metrics") > first_step_of(
+            # Attempt 1 went on training past where attempt 2 started, and none of what it posted since
+            # the requeue was stored.
+            spooled_1 = [json.loads(line) for line in spool_path(stack.settings, job_id, 1).read_text().splitlines()]
+            assert max(r.get("step") or 0 for r in spooled_1 if r.get("kind") == "metrics") > first_step_of(
                 stack, job_id, 2), "attempt 1 did not outlive the requeue: nothing was fenced"
             assert late == [], late
             assert row.output_dir == str(attempt_dir(stack.settings, job_id, 2))
-            for attempt, path in checkpoints:  # every checkpoint lies in the folder of the attempt that made it
+            for attempt, path in checkpoints:  # each checkpoint lies in the folder of the attempt that made it
                 assert Path(path).is_relative_to(attempt_dir(stack.settings, job_id, attempt)), (attempt, path)
+            assert {a for a, _ in checkpoints} == {1, 2}
             assert all(Path(p).is_relative_to(attempt_dir(stack.settings, job_id, 2))
                        for p in stack.artifacts(job).values())
-            assert set(RayJobs(other.dashboard_url).submissions_of(job_id)) == {submission_id(job_id, 2)}
+            assert set(stack.ray.submissions_of(job_id)) == {submission_id(job_id, 2)}
             assert_status_never_went_backwards(stack, job_id, requeues=1)
         finally:
-            try:
-                first.stop(submission_id(job_id, 1))
-                deadline = time.monotonic() + 60
-                while first.status(submission_id(job_id, 1)).status in RAY_ACTIVE and time.monotonic() < deadline:
-                    time.sleep(0.5)
-            finally:
-                stack.close()
+            if driver is not None and driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+                driver.wait(30)
+            stack.close()

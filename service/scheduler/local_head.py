@@ -107,6 +107,9 @@ class LocalRayHead:
             f"--temp-dir={self.temp_dir}",
         ]
         env = ray_env(self.auth_mode)
+        # A head of its own: a RAY_ADDRESS inherited from the caller (another cluster's) would have
+        # its dashboard and job supervisors talk to that cluster's GCS instead.
+        env.pop("RAY_ADDRESS", None)
         env[OWNER_ENV] = self.ownership.env_chain()
         # On SIGTERM `ray start --block` first drains the node for up to 30 s (for Ray Serve) before
         # it stops its daemons; we stop the whole head at once, so the drain only delays the stop.

@@ -2,9 +2,13 @@
 
 One loop (``Scheduler.tick``, every ``settings.poll_seconds``) does, in order:
 
-1. **heartbeat** — renew the lease on every job this scheduler owns (``lease_owner = me``);
-2. **validate** — jobs in ``validating_files``: files exist and parse, the model resolves, the memory
-   pre-flight (:func:`memory_preflight`) runs → ``queued`` or ``failed`` with a structured error;
+1. **heartbeat** — renew the lease on every job this scheduler owns (``lease_owner = me``); ``run``
+   also renews them from a thread of its own every quarter lease, so a slow tick does not let them
+   lapse (while the loop is alive: not once a tick is stuck for three leases);
+2. **validate** — jobs in ``validating_files``, taken under a validation lease and validated outside
+   any transaction (no row lock is held while files are read, so a cancel never waits): files exist
+   and parse, the model resolves, the memory pre-flight (:func:`memory_preflight`) runs → ``queued``
+   or ``failed`` with a structured error;
 3. **adopt** — ``running`` jobs whose lease expired (their scheduler died) get a new owner. The
    attempt does *not* change: if their Ray submission is still alive it is kept, not resubmitted;
 4. **claim** — ``queued`` jobs are claimed with ``SELECT … FOR UPDATE SKIP LOCKED`` (on SQLite the
@@ -15,8 +19,9 @@ One loop (``Scheduler.tick``, every ``settings.poll_seconds``) does, in order:
    duplicated submit cannot start the job twice ("already exists" counts as success);
 5. **reconcile** — Ray's status of each owned job is compared with the database: FAILED → ``failed``
    with the driver's error type and last log lines, STOPPED → ``cancelled``/``paused`` when the user
-   asked for it, a submission Ray no longer knows (head restart) → ``queued`` again, so the next claim
-   resubmits it as a new attempt that resumes from the latest checkpoint in the same storage path;
+   asked for it, a submission Ray no longer knows (head restart: believed after three answers over
+   ten seconds) or whose supervisor died with its node → ``queued`` again, so the next claim resubmits
+   it as a new attempt, in a folder of its own, that resumes from the latest recorded checkpoint;
    jobs already terminal or paused in the database whose Ray job still runs are stopped. A run that
    ended (or was lost) with records its sink never got confirmed — the API was away — has them
    stored from its spool first (``metrics-attempt-N.jsonl``, service/store/spool.py) through
@@ -25,8 +30,12 @@ One loop (``Scheduler.tick``, every ``settings.poll_seconds``) does, in order:
 The run request (with the attempt's ingest token) is written under ``<storage>/requests/``, outside
 the job's output folder that tenants read artefacts from.
 
-The database, not Ray, is the source of truth; every status write is fenced on the attempt number,
-so a scheduler that lost its lease (or a late worker) cannot overwrite newer state.
+The database, not Ray, is the source of truth; every status write is fenced on the attempt number
+and, for the scheduler's own writes, on its lease (``expected_owner``), so a scheduler that lost its
+lease (or a late worker) cannot overwrite newer state; no Ray call may take longer than half a lease.
+Each attempt writes into ``jobs/<id>/attempts/<n>`` (paths.attempt_dir) and only its records are
+stored, so an earlier attempt that still runs somewhere can neither overwrite what the current one
+reads nor have its outputs served.
 
 Running the code on the cluster: the entrypoint is ``<python> -m workers.run <request.json>``. By
 default the ``service`` and ``workers`` packages are shipped with the job as runtime_env
@@ -654,13 +663,16 @@ class Scheduler:
         """Store what the attempt's spool holds past its delivered offset, through service.jobs.ingest —
         the API's own storage code, so the fencing is the same (records of another attempt, or for a
         job that no longer accepts records, are refused) and nothing is stored twice. Call it only
-        once the run has ended (its sink no longer delivers). Returns the job's status afterwards
+        once the run has ended (its sink no longer delivers), or is believed lost. Returns the job's status afterwards
         (None when the job is gone)."""
         path = spool_path(self.settings, job_id, attempt)
         offset = spool.delivered_offset(path)
-        pending = spool.size(path) - offset
+        # Up to what the spool holds now: a run believed lost may in fact still be writing to it
+        # (elsewhere), and following it would hold this tick for as long as that run lives.
+        until = spool.size(path)
+        pending = until - offset
         note = True
-        while pending > 0:
+        while pending > 0 and offset < until:
             try:
                 records, end = spool.read(path, offset)
             except OSError as exc:
