@@ -386,7 +386,8 @@ def test_memfit_serve_restarted_mid_job_the_run_goes_on_and_its_buffered_records
             wait_until(steps_stored, 600, "the first training step to be stored")
             first = serve.proc.pid
             serve.stop(signal.SIGTERM)
-            assert serve.proc.returncode == 0, serve.log_path.read_text()[-2000:]
+            # It stopped by itself, as a SIGTERM ends a process (its cleanup done, the signal re-raised).
+            assert serve.proc.returncode in (0, -signal.SIGTERM), serve.log_path.read_text()[-2000:]
             assert session_members(first) == [], "the stopped memfit serve left processes behind"
             stored_at_stop = steps_stored()
             # The run goes on while the API is away: its spool grows past what the store holds.
