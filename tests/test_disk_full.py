@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from service.scheduler.paths import attempt_dir
 from tests.factories import jsonl, new_tenant, post_file
 from tests.scheduler_support import app_without_ray
 from tests.test_api_jobs import assert_problem
@@ -129,7 +130,7 @@ def test_job_whose_checkpoint_does_not_fit_fails_storage_full(new_database, ray_
             error = job["error"]
             assert error["code"] == "storage_full", error
             assert error["message"].startswith("no space left on the storage volume while writing checkpoint ")
-            assert str(storage / "jobs" / job_id / "ray") in error["message"]  # names where
+            assert str(attempt_dir(stack.settings, job_id, 1) / "ray") in error["message"]  # names where
             # Nothing half-written is recorded or served: no checkpoint, no checkpoint folder left.
             ckpts = stack.http.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=stack.auth).json()
             assert ckpts["data"] == []
