@@ -196,8 +196,12 @@ def silent_head():
     srv.close()
 
 
-def test_no_ray_call_outlives_half_a_lease(env, silent_head):
+def test_no_ray_call_outlives_half_a_lease(env, silent_head, monkeypatch):
     app, _, settings, _, _ = env
+    # Ray's SDK lets these override the address a client is given: memfit's must win (else this test
+    # would talk to whatever cluster the environment names, as it did in CI with the session's head).
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:1")
     ray = RayJobs(silent_head)
     assert ray.call_timeout_s == 60  # the default, for a client on its own
     sched = Scheduler(app.state.sessions, settings, ray, owner="hung-head")

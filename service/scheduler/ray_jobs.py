@@ -86,10 +86,8 @@ class RayJobs:
         with self._lock:
             if self._client is None:
                 os.environ.setdefault("RAY_AUTH_MODE", self.auth_mode)
-                from ray.job_submission import JobSubmissionClient
-
                 try:
-                    self._client = JobSubmissionClient(self.address)
+                    self._client = _client_for(self.address)
                 except Exception as exc:  # noqa: BLE001 - connection refused, timeouts …
                     raise RayUnavailable(f"Ray Jobs API at {self.address}: {exc}") from exc
             return self._client
@@ -173,6 +171,25 @@ class RayJobs:
             for j in self.client.list_jobs()
             if (j.submission_id or "").startswith(prefix)
         }
+
+
+# Ray's SDK lets RAY_API_SERVER_ADDRESS or RAY_ADDRESS in the environment override the address a
+# JobSubmissionClient is given ("always overridden", ray.dashboard.utils): a scheduler running where
+# either is set — a Ray pod, a shell that ran `ray start` — would silently talk to that cluster
+# instead of MEMFIT_RAY_ADDRESS. The client reads them once, when made: hide them for that moment.
+_ADDRESS_OVERRIDES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+_env_lock = threading.Lock()
+
+
+def _client_for(address: str):
+    from ray.job_submission import JobSubmissionClient
+
+    with _env_lock:
+        hidden = {k: os.environ.pop(k) for k in _ADDRESS_OVERRIDES if k in os.environ}
+        try:
+            return JobSubmissionClient(address)
+        finally:
+            os.environ.update(hidden)
 
 
 def _is_transient(exc: Exception) -> bool:
