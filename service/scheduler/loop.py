@@ -296,17 +296,19 @@ class Scheduler:
             with self.sessions.begin() as s:
                 mine = {"expected_owner": self.owner, "lease_owner": None, "lease_expires_at": None}
                 if failure is not None:
-                    _try(transition, s, job_id, JobStatus.failed, error=failure, event_data={"error": failure}, **mine)
+                    moved = _try(transition, s, job_id, JobStatus.failed, error=failure, event_data={"error": failure},
+                                 **mine)
                     metrics.SCHEDULER_FAILURES.labels(failure["code"]).inc()  # /metrics
                 else:
                     fields = {"plan": plan} if plan is not None else {}
-                    queued = _try(transition, s, job_id, JobStatus.queued, **fields, **mine)
-                    if queued is not None and queued.desired_state == "pause":  # paused while validating
+                    moved = _try(transition, s, job_id, JobStatus.queued, **fields, **mine)
+                    if moved is not None and moved.desired_state == "pause":  # paused while validating
                         _try(transition, s, job_id, JobStatus.paused, desired_state=None)
-            with self.sessions.begin() as s:  # cancelled meanwhile: the validation lease goes with it
-                s.execute(update(Job).where(Job.id == job_id, Job.lease_owner == self.owner,
-                                            Job.status != JobStatus.running.value)
-                          .values(lease_owner=None, lease_expires_at=None).execution_options(synchronize_session=False))
+                if moved is None:  # cancelled meanwhile: the validation lease goes with it (if still ours)
+                    s.execute(update(Job).where(Job.id == job_id, Job.lease_owner == self.owner,
+                                                Job.status != JobStatus.running.value)
+                              .values(lease_owner=None, lease_expires_at=None)
+                              .execution_options(synchronize_session=False))
             done += 1
         return done
 
