@@ -88,6 +88,18 @@ AUTO_FEEDFORWARD: dict[str, tuple[str, ...]] = {**{f: ("down_proj",) for f in _L
 
 MERGEABLE_PEFT = frozenset({"lora", "qlora", "ia3", "loha", "lokr"})  # prefix/prompt tuning add tokens
 
+# peft's LyCORIS tuners (LoHa, LoKr) wrap torch's Linear and Conv layers only; GPT-2's attention and MLP
+# projections are transformers' Conv1D, which peft/tuners/lycoris_utils.py ``_create_new_module`` refuses.
+PEFT_UNSUPPORTED: dict[str, frozenset[str]] = {"gpt2": frozenset({"loha", "lokr"})}
+
+
+def peft_family_problem(family: str, method: str) -> str | None:
+    """Why ``method`` cannot adapt a model of ``family``, or None when it can."""
+    if method in PEFT_UNSUPPORTED.get(family, ()):
+        return (f"peft method {method!r} cannot adapt {family} models: their projections are transformers' "
+                "Conv1D layers, which peft's LoHa/LoKr do not wrap; use lora, ia3, prefix_tuning or prompt_tuning")
+    return None
+
 
 def lora_targets(family: str, target_modules: list[str] | str) -> list[str]:
     """The module names an adapter wraps: the spec's list, or the family's attention projections for "auto"."""

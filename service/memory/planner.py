@@ -44,7 +44,7 @@ from service.domain.spec import (
     StrategyName,
     check_rules,
 )
-from service.domain.training import deepspeed_buckets, dtype_bytes, lora_targets, regime
+from service.domain.training import deepspeed_buckets, dtype_bytes, feedforward_targets, lora_targets, regime
 from service.memory.gpus import GPU, MiB, get_gpu
 from service.memory.shape import ModelShape
 
@@ -94,7 +94,10 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
     peft = spec.training.peft
     if peft.method == PeftMethod.none:
         return None
-    return set(lora_targets(shape.family, peft.target_modules))
+    targets = set(lora_targets(shape.family, peft.target_modules))
+    if peft.method == PeftMethod.ia3:  # IA3's config adds its feed-forward modules (workers/peft_setup.py)
+        targets |= set(feedforward_targets(shape.family, peft.target_modules))
+    return targets
 
 
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
@@ -211,22 +214,9 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
 
 
 def trainable_parameters(spec: JobSpec, shape: ModelShape) -> int:
-    peft = spec.training.peft
-    m = peft.method
-    if m == PeftMethod.none:
-        return shape.parameter_count()
-    targets = _lora_targets(spec, shape)
-    if m in (PeftMethod.lora, PeftMethod.qlora):
-        return shape.lora_params(peft.r, sorted(targets))
-    if m == PeftMethod.loha:
-        return 2 * shape.lora_params(peft.r, sorted(targets))
-    if m == PeftMethod.lokr:
-        return max(1, shape.lora_params(peft.r, sorted(targets)) // 4)
-    if m == PeftMethod.ia3:
-        return shape.num_layers * (2 * shape.kv_dim + shape.intermediate)
-    # prefix / prompt tuning
-    per_token = shape.hidden * (2 * shape.num_layers if m == PeftMethod.prefix_tuning else 1)
-    return peft.num_virtual_tokens * per_token
+    """What peft's ``get_nb_trainable_parameters`` reports (a test builds every method on the meta
+    device for every family and compares), or every parameter for a full fine-tune."""
+    return sum(_trainable_numels(spec, shape, _lora_targets(spec, shape)))
 
 
 def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size: int | None = None,
@@ -279,7 +269,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     gathered = 0  # params materialised at the loss (forward's end, backward's start) beyond the shards
     gathered_layer = 0  # params materialised while one block runs (its forward, recompute or backward)
     comm = 0  # communication buckets
-    opt_temp_unit = max(_largest_trainable(shape, targets, t.peft.r), 1) * 4
+    opt_temp_unit = max(_largest_trainable(spec, shape, targets), 1) * 4
 
     if strategy in ("ddp", "pipeline"):
         stages = N if strategy == "pipeline" else 1
@@ -423,14 +413,15 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     )
 
 
-def _trainable_numels(spec: JobSpec, shape: ModelShape, targets: set[str] | None) -> list[int] | None:
-    """The trainable tensors' sizes in the order the optimizer gets them, where the planner knows it."""
-    method = spec.training.peft.method
-    if method == PeftMethod.none:
+def _trainable_numels(spec: JobSpec, shape: ModelShape, targets: set[str] | None) -> list[int]:
+    """The trainable tensors' sizes in the order the optimizer gets them (``model.parameters()``)."""
+    peft = spec.training.peft
+    if peft.method == PeftMethod.none:
         return shape.parameter_numels()
-    if method in (PeftMethod.lora, PeftMethod.qlora):
-        return shape.lora_numels(spec.training.peft.r, targets or set())
-    return None
+    if peft.method in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning):
+        return shape.prompt_numels(peft.method.value, peft.num_virtual_tokens)
+    feedforward = feedforward_targets(shape.family, peft.target_modules) if peft.method == PeftMethod.ia3 else []
+    return shape.adapter_numels(peft.method.value, peft.r, targets or set(), feedforward)
 
 
 def zero2_gradient_buffer_elements(numels: list[int], world: int) -> int:
@@ -456,12 +447,12 @@ def zero2_gradient_buffer_elements(numels: list[int], world: int) -> int:
     return fullest
 
 
-def _largest_trainable(shape: ModelShape, targets: set[str] | None, r: int) -> int:
+def _largest_trainable(spec: JobSpec, shape: ModelShape, targets: set[str] | None) -> int:
+    """The largest unit the optimizer updates at once: a whole module's parameters for a full fine-tune
+    (torch's for-each AdamW works tensor by tensor within it), else the largest adapter tensor."""
     if targets is None:
         return shape.largest_layer_params()
-    shapes = shape.linear_shapes()
-    return max((r * max(din, dout) for n, (din, dout) in shapes.items() if n in targets or n.split(".")[-1] in targets),
-               default=1)
+    return max(_trainable_numels(spec, shape, targets), default=1)
 
 
 # --- suggestions ---------------------------------------------------------------------------------

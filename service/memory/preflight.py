@@ -166,6 +166,7 @@ class PreflightOutcome:
 def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = None) -> PreflightOutcome:
     """Apply ``training.memory_policy`` to the plan of ``spec`` (see the module docstring)."""
     from service.domain.errors import SpecInvalid
+    from service.domain.training import peft_family_problem
     from service.memory.gpus import UnknownGPU
 
     try:
@@ -177,6 +178,9 @@ def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = Non
         return PreflightOutcome(spec, None, [{
             "message": f"memory pre-flight: {exc}; memory will be measured in the worker, not predicted",
             "level": "warn", "data": {"memory_preflight": "unknown_model_shape"}}])
+    problem = peft_family_problem(plan.model.family, spec.training.peft.method.value) if plan.model else None
+    if problem:
+        raise SpecInvalid([{"param": "training.peft.method", "message": problem, "code": "unsupported_peft_method"}])
     stored = plan.model_dump(mode="json")  # what jobs.plan keeps
     if plan.fits:
         return PreflightOutcome(spec, stored)

@@ -151,11 +151,54 @@ class ModelShape:
 
     def lora_numels(self, r: int, targets: list[str] | set[str]) -> list[int]:
         """LoRA's trainable tensors (lora_A, lora_B of each adapted linear) in ``model.parameters()`` order."""
+        return self.adapter_numels("lora", r, targets)
+
+    def adapter_numels(self, method: str, r: int, targets: list[str] | set[str],
+                       feedforward: list[str] | set[str] = ()) -> list[int]:
+        """The trainable tensors peft adds to each adapted linear of every block, in ``model.parameters()``
+        order, for the adapters that wrap linears (peft/tuners/<method>/layer.py ``update_layer``):
+
+        - ``lora``/``qlora``: lora_A (r × in), lora_B (out × r);
+        - ``loha``: hada_w1_a (out × r), hada_w1_b (r × in), hada_w2_a, hada_w2_b — two low-rank pairs
+          whose Hadamard product is the update;
+        - ``lokr``: a Kronecker product w1 ⊗ w2 of the factors of in and out nearest their square roots
+          (``factorization(dim, -1)``): w1 is the small (out_l × in_m) factor, kept whole; w2
+          (out_k × in_n) is kept whole unless r < max(out_k, in_n)/2, when it becomes w2_a (out_k × r)
+          and w2_b (r × in_n) (``use_w2``; peft's defaults decompose_both=False, decompose_factor=-1);
+        - ``ia3``: one scaling vector, over the outputs (out × 1), or over the inputs (1 × in) of a
+          feed-forward module (``is_feedforward``).
+        """
         one_layer: list[int] = []
         for name, (din, dout) in self.linear_shapes().items():
-            if name in targets or name.split(".")[-1] in targets:
+            short = name.split(".")[-1]
+            if name not in targets and short not in targets:
+                continue
+            if method in ("lora", "qlora"):
                 one_layer += [r * din, dout * r]
+            elif method == "loha":
+                one_layer += [dout * r, r * din, dout * r, r * din]
+            elif method == "lokr":
+                in_m, in_n = lokr_factorization(din)
+                out_l, out_k = lokr_factorization(dout)
+                one_layer.append(out_l * in_m)
+                one_layer += [out_k * in_n] if r >= max(out_k, in_n) / 2 else [out_k * r, r * in_n]
+            elif method == "ia3":
+                one_layer.append(din if (name in feedforward or short in feedforward) else dout)
+            else:
+                raise ValueError(f"{method!r} does not adapt linears")
         return one_layer * self.num_layers
+
+    def prompt_numels(self, method: str, num_virtual_tokens: int) -> list[int]:
+        """Prompt tuning's and prefix tuning's one trainable table (peft/utils/other.py
+        ``_prepare_prompt_learning_config``). Prompt tuning learns ``num_virtual_tokens`` input
+        embeddings (× hidden). Prefix tuning learns a key and a value per virtual token for every layer,
+        each as wide as the attention's keys: for a config with ``num_key_value_heads`` (every
+        Llama-like family) that is head_dim × num_kv_heads, not hidden (peft's grouped-query rule,
+        peft#1901); GPT-2 has no such field and gets hidden. No ``prefix_projection`` (peft's default)."""
+        if method == "prompt_tuning":
+            return [num_virtual_tokens * self.hidden]
+        width = self.hidden if self.family == "gpt2" else self.kv_dim
+        return [num_virtual_tokens * self.num_layers * 2 * width]
 
     def counts(self) -> dict[str, int]:
         return {
@@ -170,6 +213,19 @@ class ModelShape:
         d = asdict(self)
         d["parameter_count"] = self.parameter_count()
         return d
+
+
+def lokr_factorization(dimension: int) -> tuple[int, int]:
+    """peft's ``factorization(dimension, factor=-1)`` (peft/tuners/lokr/layer.py): it walks the divisors
+    of ``dimension`` upwards from 1 and stops at the first pair (m, n = dimension / m) with m ≥ n (its
+    ``length`` bound is fixed at 1 + dimension and never binds), then returns the pair smaller first."""
+    m, n = 1, dimension
+    while m < n:
+        m += 1
+        while dimension % m:
+            m += 1
+        n = dimension // m
+    return (n, m) if m > n else (m, n)
 
 
 def _get(cfg: dict, *names, default=None):
