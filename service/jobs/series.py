@@ -38,8 +38,8 @@ from service.store.models import MEMORY_BYTE_COLUMNS, JobEvent, MemorySample, Se
 
 MEMORY, METRICS = "memory", "metrics"
 WIDTHS = (10, 100, 1_000, 10_000, 100_000)
-RECENT_STEPS = 500  # per rank, at full resolution
-MAX_BUCKETS = 500  # per rank, before them
+RECENT_STEPS = 250  # per rank, at full resolution
+MAX_BUCKETS = 250  # per rank, before them
 METRIC_FIELDS = ("train_loss", "valid_loss", "tokens_per_s", "learning_rate", "grad_norm", "step_time_s",
                  "trained_tokens")
 

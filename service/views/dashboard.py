@@ -168,18 +168,19 @@ def memory_chart(session: Session, job_id: str, hs: list[SeriesHead]) -> tuple[l
 COMPARED_LABELS = {c: LABELS[c] for c in COMPARED}
 
 
-def compare_job(session: Session, job: Job, plan: Plan | None) -> dict[str, Any]:
+def compare_job(session: Session, job: Job, plan: Plan | None, hs: list[SeriesHead]) -> dict[str, Any]:
     """Predicted vs measured per rank and category, with the signed error: service.memory's view (the
     same numbers as GET /v1/fine_tuning/jobs/{id}/memory, whole-run peaks), for ``plan`` when the job
     stored none."""
     from types import SimpleNamespace
 
-    from service.jobs.crud import memory_view
+    from service.memory.compare import job_memory_view
 
     view_job = SimpleNamespace(id=job.id, status=job.status, attempt=job.attempt,
                                plan=plan.model_dump(mode="json") if plan is not None else None,
                                memory_summary=job.memory_summary)
-    view = memory_view(session, view_job)
+    attempt, peaks = series.memory_peaks(hs)  # the page charts the points itself: only the peaks here
+    view = job_memory_view(view_job, [], peaks=peaks, attempt=attempt)
     per_rank = {r: [{**row, "label": COMPARED_LABELS.get(row["category"], row["category"])} for row in rows]
                 for r, rows in view["per_rank"].items()}
     return {"has_plan": view["has_plan"], "predicted": view["predicted"], "per_rank": per_rank,
@@ -213,10 +214,11 @@ def job_view(session: Session, principal: Principal, settings: Settings, job_id:
                                   .order_by(JobEvent.id.desc()).limit(EVENTS_SHOWN)))[::-1]
     metrics = series.metric_points(session, job_id)  # rank 0's, bounded whatever the run's length
     steps = sorted(metrics)
-    samples, last_sample_id = memory_chart(session, job_id, series.heads(session, job_id, series.MEMORY))
+    hs = series.heads(session, job_id, series.MEMORY)
+    samples, last_sample_id = memory_chart(session, job_id, hs)
     capacity, capacity_label = capacity_for(job, training)
     plan, plan_source = plan_of(job, settings)
-    comparison = compare_job(session, job, plan)
+    comparison = compare_job(session, job, plan, hs)
     ranks = sorted({s["rank"] for s in samples})
     checkpoints = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
                                        .order_by(Checkpoint.step.desc()).limit(CHECKPOINTS_SHOWN)))[::-1]
