@@ -14,7 +14,7 @@ import time
 import pytest
 from sqlalchemy import select
 
-from service.jobs import series
+from service.jobs import ingest, series
 from service.memory.compare import measured_categories
 from service.store.db import session_scope
 from service.store.models import MEMORY_BYTE_COLUMNS, MemorySample, SeriesHead, SeriesRollup
@@ -125,8 +125,11 @@ def test_replayed_batches_count_nothing_twice_and_match_a_rebuild(client, api_ap
     heads = {(h[1], h[2]): h for h in before[1]}
     assert heads[("memory", 0)][5] == STEPS and heads[("metrics", 0)][5] == STEPS  # count
     assert ("metrics", 1) not in heads  # the metrics series is rank 0's
-    for b in sent[:5] + sent[-3:]:  # the spool replays what it already delivered
+    for b in sent[:5] + sent[-3:]:  # the sink retries what it already delivered
         assert post(client, job_id, token, b)["accepted"] == 0
+    with session_scope(api_app.state.sessions) as s:  # and the scheduler replays a run's spool
+        assert ingest.replay(s, api_app.state.settings, job_id, sent[1] + sent[7]).accepted == 0
+    assert snapshot(api_app, job_id) == before
     # A batch mixing new steps with ones already stored folds in only the new ones.
     extra = [memory(0, STEPS + 1), memory(0, STEPS), metrics(0, STEPS + 1), metrics(0, STEPS), memory(0, STEPS + 1)]
     assert post(client, job_id, token, extra)["accepted"] == 2

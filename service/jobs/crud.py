@@ -416,6 +416,26 @@ def add_events(session: Session, job_id: str, events: Iterable[dict[str, Any]]) 
     return insert_ignoring_conflicts(session, JobEvent, rows, ["job_id", "dedupe_key"])
 
 
+def store_events(session: Session, job_id: str, events: list[dict[str, Any]]) -> list[str | None]:
+    """add_events answering the dedupe keys of the events it stored (None for one without a key), in
+    order: ingest folds the new metrics events, and only those, into the job's series. Holds the job's
+    row lock until the caller commits, like add_events."""
+    if not events:
+        return []
+    now = utcnow()
+    rows = [{"job_id": job_id, "level": "info", "type": "message", "data": None, "attempt": None,
+             "dedupe_key": None, **e, "created_at": e.get("created_at") or now} for e in events]
+    lock_job_events(session, job_id)
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    t = JobEvent.__table__
+    stmt = insert(t).on_conflict_do_nothing(index_elements=["job_id", "dedupe_key"]).returning(t.c.dedupe_key)
+    # insertmanyvalues with RETURNING: the rows returned are exactly those inserted.
+    return [k for (k,) in session.execute(stmt, rows if len(rows) > 1 else rows[0]).all()]
+
+
 def event_public_id(event_id: int) -> str:
     return f"ftevent-{event_id}"
 

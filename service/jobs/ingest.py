@@ -55,7 +55,7 @@ from service.domain.records import (
 from service.domain.states import JobStatus
 from service.jobs import metrics, series
 from service.jobs.artifacts import output_root
-from service.jobs.crud import add_checkpoint, add_events, store_memory_samples, update_job
+from service.jobs.crud import add_checkpoint, store_events, store_memory_samples, update_job
 from service.memory.compare import summary_fields as memory_summary_fields
 from service.memory.oom import oom_error
 from service.settings import Settings
@@ -179,12 +179,16 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
             ending = r
 
     if events:
-        fresh_metrics = _new_metrics(session, job.id, events)  # before they are stored: which are new
-        stored = add_events(session, job.id, events)
-        new += stored
-        dup += len(events) - stored
+        stored_keys = store_events(session, job.id, events)
+        new += len(stored_keys)
+        dup += len(events) - len(stored_keys)
+        fresh, keys = [], set(stored_keys)
+        for e in events:  # a new key's first event is the one stored
+            if e.get("type") == "metrics" and e["dedupe_key"] in keys:
+                keys.discard(e["dedupe_key"])
+                fresh.append(e)
         series.add(session, job.id, series.METRICS,
-                   [series.metrics_sample(e["attempt"], e["data"]) for e in fresh_metrics if e["data"]["rank"] == 0])
+                   [series.metrics_sample(e["attempt"], e["data"]) for e in fresh if e["data"]["rank"] == 0])
     if memory:
         stored_rows = store_memory_samples(session, job.id, memory)
         new += len(stored_rows)
@@ -234,25 +238,6 @@ class _Row:
 
     def __init__(self, d: dict[str, Any]):
         self.__dict__.update(d)
-
-
-def _new_metrics(session: Session, job_id: str, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The metrics events of ``events`` that add_events will store: the first of each dedupe key that the
-    job does not hold yet (the job's row is locked FOR UPDATE, so no other writer can store one between)."""
-    metric = [e for e in events if e.get("type") == "metrics"]
-    if not metric:
-        return []
-    keys = list({e["dedupe_key"] for e in metric})
-    held = set()
-    for i in range(0, len(keys), 500):
-        held.update(session.scalars(select(JobEvent.dedupe_key).where(
-            JobEvent.job_id == job_id, JobEvent.dedupe_key.in_(keys[i:i + 500]))))
-    out = []
-    for e in metric:
-        if e["dedupe_key"] not in held:
-            held.add(e["dedupe_key"])
-            out.append(e)
-    return out
 
 
 def _metrics_event(r: MetricsRecord) -> dict[str, Any]:
