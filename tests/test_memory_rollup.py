@@ -198,3 +198,31 @@ def test_the_migration_backfills_jobs_stored_before_it(backend, tmp_path, reques
             assert series.memory_peaks(hs)[1][0]["total"] == max(memory(0, st)["peak_bytes"] for st in range(3, 41))
             assert sorted(series.metric_points(s, "ftjob-old")) == list(range(1, 41))
         engine.dispose()
+
+
+def test_a_resumed_attempt_replaces_the_steps_it_repeats_and_the_peaks_are_its_own(client, api_app, tenant, create_job,
+                                                                                   small_window):
+    from service.store.tokens import new_ingest_token
+    from service.store.transitions import transition
+
+    job_id = create_job(tenant, model="preset:small-llama").json()["id"]
+    token = claimed(api_app, job_id)
+    first = [r for s in range(1, 201) for r in (memory(0, s), metrics(0, s))]
+    for i in range(0, len(first), 100):
+        post(client, job_id, token, first[i:i + 100])
+    token2, token2_hash = new_ingest_token()
+    with session_scope(api_app.state.sessions) as s:  # the scheduler requeues and claims it again
+        transition(s, job_id, "queued")
+        transition(s, job_id, "running", attempt=2, ingest_token_hash=token2_hash)
+    second = [{**r, "attempt": 2, **({"peak_bytes": 2 * GiB} if r["kind"] == "memory" else {"loss": 0.5})}
+              for s in range(150, 181) for r in (memory(0, s), metrics(0, s))]
+    post(client, job_id, token2, second)
+
+    view = client.get(f"/ui/jobs/{job_id}/view.json", headers=tenant.headers).json()
+    steps, loss = view["metrics"]["steps"], view["metrics"]["loss"]
+    # Attempt 2's last 30 steps in full (its step 150 is in the bucket before them), attempt 1's before 150.
+    assert steps[-30:] == list(range(151, 181)) and all(v == 0.5 for v in loss[-30:])
+    assert max(steps[:-30]) < 150 and loss[0] == pytest.approx(10.0 / steps[0])
+    mem = client.get(f"/v1/fine_tuning/jobs/{job_id}/memory", headers=tenant.headers).json()
+    assert mem["attempt"] == 2 and mem["measured_peaks"]["0"]["total"] == 2 * GiB
+    assert [p["step"] for p in mem["samples"]["0"] if p["phase"] != "rollup"] == list(range(151, 181))

@@ -265,8 +265,10 @@ def memory_points(session: Session, job_id: str, attempt: int, hs: list[SeriesHe
 
 def metric_points(session: Session, job_id: str) -> dict[int, dict[str, Any]]:
     """Rank 0's metrics per step over the whole run: {step: data}, at most RECENT_STEPS + MAX_BUCKETS + 1
-    steps per attempt. Older steps are buckets: the fields' values at the bucket's last step, with
-    ``rollup`` (min, max, count). A resumed attempt's steps replace the earlier attempt's from its first."""
+    steps per attempt. Older steps are buckets drawn at their last step with that step's values, and
+    ``rollup`` (from/to step, count, min, max); where the bucket that straddles the first full-resolution
+    step would be drawn, the raw point is. A resumed attempt's steps replace the earlier attempt's from
+    its first step on (an earlier bucket drawn past that step goes with them)."""
     out: dict[int, dict[str, Any]] = {}
     for h in [h for h in heads(session, job_id, METRICS) if h.rank == 0]:
         width, recent_from = window(h.first_step, h.last_step)
@@ -283,9 +285,11 @@ def metric_points(session: Session, job_id: str) -> dict[int, dict[str, Any]]:
             select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.type == "metrics",
                                         JobEvent.dedupe_key.like(f"m:{h.attempt}:0:%"))
             .order_by(JobEvent.id.desc()).limit(RECENT_STEPS))
+        raw: dict[int, dict[str, Any]] = {}
         for d in recent:
             if d and d.get("step") is not None and d["step"] >= recent_from:
-                points.setdefault(d["step"], d)
+                raw.setdefault(d["step"], d)  # newest first: a repeated step keeps its newest event
+        points.update(raw)  # the bucket that straddles recent_from is drawn at its last step: raw wins there
         for step in [s for s in out if s >= h.first_step]:
             del out[step]  # a later attempt repeats the steps after its checkpoint
         out.update(points)
