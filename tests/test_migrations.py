@@ -9,7 +9,8 @@ from sqlalchemy import create_engine, inspect
 from service.store import db
 from service.store.models import Base
 
-TABLES = {"tenants", "api_keys", "files", "idempotency_keys", "jobs", "job_events", "checkpoints", "memory_samples"}
+TABLES = {"tenants", "api_keys", "files", "idempotency_keys", "jobs", "job_events", "checkpoints", "memory_samples",
+          "series_rollups", "series_heads"}
 
 
 def _diff(url: str) -> list:

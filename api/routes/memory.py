@@ -8,8 +8,10 @@
   body's ``training.resources.gpu_type``; with neither, a CPU worker (its host memory budget, if any).
   The body stays exactly a create body, so the same JSON can be POSTed to /v1/fine_tuning/jobs.
 - ``GET /v1/fine_tuning/jobs/{id}/memory``: the job's plan, its memory samples per rank over steps,
-  the steady-state peak per category per rank and the signed error of each predicted category.
-  Another tenant's job is 404.
+  the steady-state peak per category per rank over the whole run and the signed error of each
+  predicted category. However long the job, each rank's ``samples`` are at most ~500: its last steps in
+  full, older steps as buckets (``phase: "rollup"``, each byte field the bucket's max, ``rollup`` its
+  steps, count, min and last; service/jobs/series.py). Another tenant's job is 404.
 """
 
 from __future__ import annotations

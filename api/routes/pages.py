@@ -5,7 +5,9 @@
   another tenant's objects (their ids are a 404 here too).
 - ``/ui/jobs``: the jobs list, filterable by status. ``/ui/jobs/{id}``: the job page; its chart data
   is embedded as JSON (``<script type="application/json" id="page-data">``) and updated live from the
-  SSE stream (api/routes/stream.py) plus ``/ui/jobs/{id}/memory.json`` for new memory samples.
+  SSE stream (api/routes/stream.py) plus ``/ui/jobs/{id}/memory.json`` for new memory samples. What
+  it embeds is bounded whatever the job's length (service/views/dashboard.py: the newest events, each
+  rank's last steps in full and older ones as buckets).
 - ``/ui/planner``: the memory planner as a form.
 - ``/v1/fine_tuning/jobs/{id}/artifacts[/{path}]``: the job's model artefacts, by service.jobs.artifacts'
   allowlist (nothing else of its output folder: no Ray internals, spools or failure files; no

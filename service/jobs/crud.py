@@ -31,7 +31,7 @@ from service.domain.errors import (
 from service.domain.model_ref import ModelRefError, resolve_model
 from service.domain.spec import SpecError, derive, validate_spec
 from service.domain.states import JobStatus
-from service.jobs import quotas
+from service.jobs import quotas, series
 from service.jobs.files import get_file
 from service.memory import preflight as memory
 from service.memory.compare import initial_summary, job_memory_view
@@ -416,6 +416,26 @@ def add_events(session: Session, job_id: str, events: Iterable[dict[str, Any]]) 
     return insert_ignoring_conflicts(session, JobEvent, rows, ["job_id", "dedupe_key"])
 
 
+def store_events(session: Session, job_id: str, events: list[dict[str, Any]]) -> list[str | None]:
+    """add_events answering the dedupe keys of the events it stored (None for one without a key), in
+    order: ingest folds the new metrics events, and only those, into the job's series. Holds the job's
+    row lock until the caller commits, like add_events."""
+    if not events:
+        return []
+    now = utcnow()
+    rows = [{"job_id": job_id, "level": "info", "type": "message", "data": None, "attempt": None,
+             "dedupe_key": None, **e, "created_at": e.get("created_at") or now} for e in events]
+    lock_job_events(session, job_id)
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    t = JobEvent.__table__
+    stmt = insert(t).on_conflict_do_nothing(index_elements=["job_id", "dedupe_key"]).returning(t.c.dedupe_key)
+    # insertmanyvalues with RETURNING: the rows returned are exactly those inserted.
+    return [k for (k,) in session.execute(stmt, rows if len(rows) > 1 else rows[0]).all()]
+
+
 def event_public_id(event_id: int) -> str:
     return f"ftevent-{event_id}"
 
@@ -474,26 +494,61 @@ def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
 def add_memory_samples(session: Session, job_id: str, records: Iterable[Any]) -> int:
     """Store MemoryRecord objects (service.domain.records) or dicts; a repeated (attempt, rank, step, phase)
     is ignored. Returns how many were new."""
-    rows = []
+    return len(store_memory_samples(session, job_id, records))
+
+
+def store_memory_samples(session: Session, job_id: str, records: Iterable[Any]) -> list[dict[str, Any]]:
+    """add_memory_samples answering the rows it stored (those whose (attempt, rank, step, phase) was new,
+    the first of repeats within ``records``), for ingest to fold into the job's series exactly once."""
+    rows, seen = [], set()
     for r in records:
         d = r.model_dump() if hasattr(r, "model_dump") else dict(r)
         row = {"job_id": job_id, "attempt": d["attempt"], "rank": d["rank"], "step": d["step"],
                "phase": d.get("phase", "step"), "source": d.get("source", "counters"),
                "device": d.get("device") or None, "created_at": utcnow()}
         row.update({c: d.get(c) for c in MEMORY_BYTE_COLUMNS})
-        rows.append(row)
-    return insert_ignoring_conflicts(session, MemorySample, rows, ["job_id", "attempt", "rank", "step", "phase"])
+        key = (row["attempt"], row["rank"], row["step"], row["phase"])
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+    if not rows:
+        return []
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    t = MemorySample.__table__
+    stmt = (insert(t).on_conflict_do_nothing(index_elements=["job_id", "attempt", "rank", "step", "phase"])
+            .returning(t.c.attempt, t.c.rank, t.c.step, t.c.phase))
+    # insertmanyvalues with RETURNING: the rows returned are exactly those inserted.
+    new = {tuple(k) for k in session.execute(stmt, rows if len(rows) > 1 else rows[0]).all()}
+    return [r for r in rows if (r["attempt"], r["rank"], r["step"], r["phase"]) in new]
 
 
 def get_job_memory(session: Session, principal: Principal, job_id: str) -> dict[str, Any]:
-    """The tenant's job's memory view, predicted against measured (JobNotFound for another tenant's id)."""
+    """The tenant's job's memory view, predicted against measured (JobNotFound for another tenant's id):
+    whole-run peaks and a bounded number of points per rank (service/jobs/series.py)."""
     job = get_job(session, principal, job_id)
-    return job_memory_view(job, list_memory_samples(session, job_id))
+    return memory_view(session, job)
+
+
+def memory_view(session: Session, job: Any) -> dict[str, Any]:
+    """job_memory_view over the job's series: its latest attempt's whole-run peaks per rank, and per
+    rank the last series.RECENT_STEPS steps' samples after at most series.MAX_BUCKETS older buckets.
+    ``job`` needs id, status, attempt, plan and memory_summary (the dashboard passes its own plan)."""
+    hs = series.heads(session, job.id, series.MEMORY)
+    attempt, peaks = series.memory_peaks(hs)
+    if attempt is None:
+        return job_memory_view(job, [])
+    buckets, raw = series.memory_points(session, job.id, attempt, hs)
+    return job_memory_view(job, raw, peaks=peaks, attempt=attempt, buckets=buckets)
 
 
 def list_memory_samples(
-    session: Session, job_id: str, *, attempt: int | None = None, after_id: int = 0, limit: int = 10_000
+    session: Session, job_id: str, *, attempt: int | None = None, after_id: int = 0, limit: int = 1_000
 ) -> list[MemorySample]:
+    """One page of a job's raw samples in the order stored (``after_id``: the last id of the previous
+    page). Views read the bounded series instead (memory_view)."""
     q = select(MemorySample).where(MemorySample.job_id == job_id, MemorySample.id > after_id)
     if attempt is not None:
         q = q.where(MemorySample.attempt == attempt)

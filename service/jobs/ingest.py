@@ -11,7 +11,8 @@ job). One batch is one transaction:
   old attempt, or a late post after ``succeeded``/``failed``/``cancelled``, is refused whole;
 - storage is idempotent by (job, attempt, rank, step, kind[, phase]): metrics become job events
   (``type: "metrics"``) with a dedupe key, memory samples and checkpoints are insert-or-ignore, so a
-  retried post stores nothing twice;
+  retried post stores nothing twice; what is new (and only that) is folded into the job's bounded
+  series (service/jobs/series.py: buckets and whole-run peaks), so a replay counts nothing twice;
 - ``trained_tokens`` and ``estimated_finish`` follow the latest metrics; a ``result`` record sets
   ``fine_tuned_model`` and ``result_files`` and moves the job to ``succeeded``; a ``failure`` record
   moves it to ``failed`` with the structured error (code, message, rank, step, phase, details).
@@ -52,9 +53,9 @@ from service.domain.records import (
     ResultRecord,
 )
 from service.domain.states import JobStatus
-from service.jobs import metrics
+from service.jobs import metrics, series
 from service.jobs.artifacts import output_root
-from service.jobs.crud import add_checkpoint, add_events, add_memory_samples, update_job
+from service.jobs.crud import add_checkpoint, store_events, store_memory_samples, update_job
 from service.memory.compare import summary_fields as memory_summary_fields
 from service.memory.oom import oom_error
 from service.settings import Settings
@@ -178,13 +179,21 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
             ending = r
 
     if events:
-        stored = add_events(session, job.id, events)
-        new += stored
-        dup += len(events) - stored
+        stored_keys = store_events(session, job.id, events)
+        new += len(stored_keys)
+        dup += len(events) - len(stored_keys)
+        fresh, keys = [], set(stored_keys)
+        for e in events:  # a new key's first event is the one stored
+            if e.get("type") == "metrics" and e["dedupe_key"] in keys:
+                keys.discard(e["dedupe_key"])
+                fresh.append(e)
+        series.add(session, job.id, series.METRICS,
+                   [series.metrics_sample(e["attempt"], e["data"]) for e in fresh if e["data"]["rank"] == 0])
     if memory:
-        stored = add_memory_samples(session, job.id, memory)
-        new += stored
-        dup += len(memory) - stored
+        stored_rows = store_memory_samples(session, job.id, memory)
+        new += len(stored_rows)
+        dup += len(memory) - len(stored_rows)
+        series.add(session, job.id, series.MEMORY, [series.memory_sample(_Row(r)) for r in stored_rows])
 
     fields: dict[str, Any] = {}
     if memory:
@@ -222,6 +231,13 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
     elif fields:
         update_job(session, job.id, expected_attempt=attempt, **fields)
     return IngestResult(accepted=new, duplicates=dup, status=status)
+
+
+class _Row:
+    """A stored row's dict read by attribute (series.memory_sample takes records and rows alike)."""
+
+    def __init__(self, d: dict[str, Any]):
+        self.__dict__.update(d)
 
 
 def _metrics_event(r: MetricsRecord) -> dict[str, Any]:

@@ -13,9 +13,10 @@ measured, negative when the planner under-predicts.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from service.domain.plan import COMPARED, MODEL_STATES, read_plan
+from service.store.models import MEMORY_BYTE_COLUMNS
 
 STEADY_STATE_STEP = 3  # the planner predicts a steady-state step: the optimizer states exist from step 2
 
@@ -38,9 +39,11 @@ def predicted_categories(plan: Any) -> dict[str, int] | None:
     return {c: out[c] for c in COMPARED}
 
 
-def _measured(s: Any) -> dict[str, int | None]:
-    """One sample (a MemorySample row or MemoryRecord) in the compared categories."""
-    g = lambda k: getattr(s, k, None)  # noqa: E731
+def measured_categories(values: Mapping[str, Any]) -> dict[str, int | None]:
+    """One sample's byte columns (MEMORY_BYTE_COLUMNS names) in the compared categories: model states
+    device + host, activations, temporary (temporary + other, on a step that measured its peak) and
+    the total (the peak)."""
+    g = values.get
 
     def add(*keys):
         vals = [g(k) for k in keys]
@@ -54,6 +57,11 @@ def _measured(s: Any) -> dict[str, int | None]:
         "temporary": add("temporary_bytes", "other_bytes") if g("peak_bytes") is not None else None,
         "total": g("peak_bytes"),
     }
+
+
+def _measured(s: Any) -> dict[str, int | None]:
+    """One sample (a MemorySample row or MemoryRecord) in the compared categories."""
+    return measured_categories({k: getattr(s, k, None) for k in MEMORY_BYTE_COLUMNS})
 
 
 def _steady(samples: list[Any]) -> list[Any]:
@@ -82,26 +90,56 @@ def signed_error(predicted: int | None, measured: int | None) -> float | None:
     return (predicted - measured) / measured
 
 
-def job_memory_view(job, samples: list[Any]) -> dict[str, Any]:
+def _sample_entry(s: Any) -> dict[str, Any]:
+    return {
+        "step": s.step, "phase": s.phase, "source": s.source,
+        **{f"{c}_bytes": v for c, v in _measured(s).items() if c != "total"},
+        "peak_bytes": s.peak_bytes,
+        "host_parameters_bytes": s.host_parameters_bytes, "host_gradients_bytes": s.host_gradients_bytes,
+        "host_optimizer_bytes": s.host_optimizer_bytes, "process_rss_bytes": s.process_rss_bytes,
+        "device": s.device or None,
+    }
+
+
+def bucket_entry(b: Any) -> dict[str, Any]:
+    """A rolled-up bucket (service/jobs/series.py) as a sample entry: each byte field is the bucket's
+    maximum (a sum of categories, the sum of their maxima), ``rollup`` holds its steps, count, min and last."""
+    hi = b.stats.get("max", {})
+    return {
+        "step": b.first_step, "phase": "rollup", "source": "rollup",
+        **{f"{c}_bytes": v for c, v in measured_categories(hi).items() if c != "total"},
+        "peak_bytes": hi.get("peak_bytes"),
+        "host_parameters_bytes": hi.get("host_parameters_bytes"), "host_gradients_bytes": hi.get("host_gradients_bytes"),
+        "host_optimizer_bytes": hi.get("host_optimizer_bytes"), "process_rss_bytes": hi.get("process_rss_bytes"),
+        "device": None,
+        "rollup": {"from_step": b.first_step, "to_step": b.last_step, "width": b.width, "count": b.count,
+                   "min": b.stats.get("min", {}), "max": hi, "last": b.stats.get("last", {})},
+    }
+
+
+def job_memory_view(job, samples: list[Any], *, peaks: dict[int, dict[str, int | None]] | None = None,
+                    attempt: int | None = None, buckets: dict[int, list[Any]] | None = None) -> dict[str, Any]:
     """``GET /v1/fine_tuning/jobs/{id}/memory``: the plan, the samples per rank over steps, the peak per
-    category per rank and each predicted category's signed error."""
+    category per rank and each predicted category's signed error.
+
+    ``samples`` are raw samples; ``buckets`` ({rank: rolled-up buckets}) come before them in each rank's
+    list; ``peaks`` (whole-run, from service/jobs/series.py) replace the peaks of ``samples`` when given,
+    and ``attempt`` is the attempt they are of."""
     predicted = predicted_categories(job.plan)
-    peaks = measured_peaks(samples)
-    attempt = max((s.attempt for s in samples), default=job.attempt)
+    if peaks is None:
+        peaks = measured_peaks(samples)
+    if attempt is None:
+        attempt = max((s.attempt for s in samples), default=job.attempt)
     by_rank: dict[str, list[dict[str, Any]]] = {}
+    for rank, bs in sorted((buckets or {}).items()):
+        by_rank[str(rank)] = [bucket_entry(b) for b in bs]
     for s in sorted(samples, key=lambda s: (s.attempt, s.rank, s.step, s.phase)):
         if s.attempt != attempt:
             continue
-        by_rank.setdefault(str(s.rank), []).append({
-            "step": s.step, "phase": s.phase, "source": s.source,
-            **{f"{c}_bytes": v for c, v in _measured(s).items() if c != "total"},
-            "peak_bytes": s.peak_bytes,
-            "host_parameters_bytes": s.host_parameters_bytes, "host_gradients_bytes": s.host_gradients_bytes,
-            "host_optimizer_bytes": s.host_optimizer_bytes, "process_rss_bytes": s.process_rss_bytes,
-            "device": s.device or None,
-        })
-    errors = {str(r): {c: signed_error((predicted or {}).get(c), m[c]) for c in COMPARED} for r, m in peaks.items()}
-    rows = {str(r): [{"category": c, "predicted_bytes": (predicted or {}).get(c), "measured_bytes": m[c],
+        by_rank.setdefault(str(s.rank), []).append(_sample_entry(s))
+    by_rank = {r: by_rank[r] for r in sorted(by_rank, key=int)}
+    errors = {str(r): {c: signed_error((predicted or {}).get(c), m.get(c)) for c in COMPARED} for r, m in peaks.items()}
+    rows = {str(r): [{"category": c, "predicted_bytes": (predicted or {}).get(c), "measured_bytes": m.get(c),
                       "error": errors[str(r)][c]} for c in COMPARED] for r, m in sorted(peaks.items())}
     return {
         "object": "fine_tuning.job.memory",
@@ -113,7 +151,7 @@ def job_memory_view(job, samples: list[Any]) -> dict[str, Any]:
         "predicted": predicted,
         "steady_state_from_step": STEADY_STATE_STEP,
         "samples": by_rank,
-        "measured_peaks": {str(r): m for r, m in sorted(peaks.items())},
+        "measured_peaks": {str(r): {c: m.get(c) for c in COMPARED} for r, m in sorted(peaks.items())},
         "errors": errors,
         "per_rank": rows,
         "summary": job.memory_summary or initial_summary(job.plan),

@@ -229,3 +229,35 @@ MEMORY_BYTE_COLUMNS = (
     "host_optimizer_bytes",
     "process_rss_bytes",
 )
+
+
+class SeriesRollup(Base):
+    """One bucket of a job's per-rank time series (service/jobs/series.py): ``width`` steps from
+    ``bucket`` (a multiple of ``width``), each field's min / max / last over the samples in it."""
+
+    __tablename__ = "series_rollups"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    series: Mapped[str] = mapped_column(String(16), primary_key=True, doc="'memory' or 'metrics'.")
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    width: Mapped[int] = mapped_column(Integer, primary_key=True, doc="Steps per bucket: 10, 100, 1000, …")
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True, doc="The bucket's first step (k × width).")
+    first_step: Mapped[int] = mapped_column(Integer)
+    last_step: Mapped[int] = mapped_column(Integer)
+    count: Mapped[int] = mapped_column(Integer, doc="Samples folded in (each stored sample once).")
+    stats: Mapped[dict] = mapped_column(JSONType, doc='{"min": {field: v}, "max": {…}, "last": {…}}')
+
+
+class SeriesHead(Base):
+    """A job's series per attempt and rank, over the whole run: its step range, how many samples, and
+    for memory the running peak per compared category (steady-state steps and all steps)."""
+
+    __tablename__ = "series_heads"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    series: Mapped[str] = mapped_column(String(16), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_step: Mapped[int] = mapped_column(Integer)
+    last_step: Mapped[int] = mapped_column(Integer)
+    count: Mapped[int] = mapped_column(Integer)
+    peaks: Mapped[dict | None] = mapped_column(JSONType, doc='memory: {"steady": {category: bytes}, "any": {…}, "steady_count": n}')

@@ -6,6 +6,10 @@
   suggestions, events, checkpoints and the files under the job's output directory;
 - :func:`memory_samples_after`: memory points newer than a sample id (the page's live updates).
 
+Every list the job page reads is bounded whatever the job's length: the newest events, rank 0's
+metrics and each rank's memory from service/jobs/series.py (the last steps at full resolution, older
+ones as min / max / last buckets), the peaks from the series' whole-run heads.
+
 Memory categories are service/domain/plan.py's CHARTED: parameters, gradients, optimizer states,
 activations and other. ``other`` in the charts is ``temporary_bytes + other_bytes`` of a sample,
 temporary + overhead of a plan. Plans are read typed (``Plan``), stored or computed.
@@ -17,20 +21,22 @@ import json
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.domain.plan import CHARTED, COMPARED, LABELS, Plan, Suggestion, read_plan
-from service.jobs import artifacts
+from service.jobs import artifacts, series
 from service.jobs.crud import get_job, list_jobs
 from service.settings import Settings
 from service.store.auth import Principal
-from service.store.models import Checkpoint, Job, JobEvent, MemorySample, utcnow
+from service.store.models import Checkpoint, Job, JobEvent, MemorySample, SeriesHead, SeriesRollup, utcnow
 
 # The charts' categories and their labels: service/domain/plan.py, the one list.
 CATEGORIES = CHARTED
 CATEGORY_LABELS = {c: LABELS[c] for c in CHARTED}
 MAX_FILES = artifacts.MAX_FILES
+EVENTS_SHOWN = 300  # the job page's events table: the newest, then live
+CHECKPOINTS_SHOWN = 100
 
 
 def plan_capacity(plan: Plan | None) -> tuple[int | None, str | None]:
@@ -121,29 +127,60 @@ def sample_point(s: MemorySample) -> dict[str, Any]:
     }
 
 
-def memory_samples_after(session: Session, job_id: str, after_id: int = 0, limit: int = 5000) -> list[dict]:
-    """Step-phase samples (one per rank per sampled step) newer than ``after_id``, oldest first."""
+def bucket_point(b: SeriesRollup) -> dict[str, Any]:
+    """A rolled-up bucket of the memory series as a chart point: each category's maximum in the bucket."""
+    hi = b.stats.get("max", {})
+    other = None
+    if hi.get("temporary_bytes") is not None or hi.get("other_bytes") is not None:
+        other = (hi.get("temporary_bytes") or 0) + (hi.get("other_bytes") or 0)
+    return {
+        "id": None, "attempt": b.attempt, "rank": b.rank, "step": b.first_step, "phase": "rollup", "source": "rollup",
+        "parameters": hi.get("parameters_bytes"), "gradients": hi.get("gradients_bytes"),
+        "optimizer_states": hi.get("optimizer_bytes"), "activations": hi.get("activations_bytes"), "other": other,
+        "peak": hi.get("peak_bytes"), "rss": hi.get("process_rss_bytes"),
+        "host": {"parameters": hi.get("host_parameters_bytes"), "gradients": hi.get("host_gradients_bytes"),
+                 "optimizer_states": hi.get("host_optimizer_bytes")},
+        "rollup": {"from_step": b.first_step, "to_step": b.last_step, "count": b.count},
+    }
+
+
+def memory_samples_after(session: Session, job_id: str, after_id: int = 0, limit: int = 1000) -> list[dict]:
+    """Step-phase samples (one per rank per sampled step) newer than ``after_id``, oldest first: the
+    page's live updates, one page of ``limit`` at a time."""
     q = (select(MemorySample).where(MemorySample.job_id == job_id, MemorySample.id > after_id,
                                     MemorySample.phase == "step")
          .order_by(MemorySample.id).limit(limit))
     return [sample_point(s) for s in session.scalars(q)]
 
 
+def memory_chart(session: Session, job_id: str, hs: list[SeriesHead]) -> tuple[list[dict], int]:
+    """(the latest attempt's chart points per rank — at most series.MAX_BUCKETS buckets, then the last
+    series.RECENT_STEPS steps' step-phase samples — by rank and step; the newest sample id)."""
+    attempt = series.latest_attempt(hs)
+    if attempt is None:
+        return [], 0
+    buckets, raw = series.memory_points(session, job_id, attempt, hs, phase="step")
+    points = [bucket_point(b) for bs in buckets.values() for b in bs] + [sample_point(s) for s in raw]
+    points.sort(key=lambda p: (p["rank"], p["step"]))
+    return points, max((s.id for s in raw), default=0)
+
+
 COMPARED_LABELS = {c: LABELS[c] for c in COMPARED}
 
 
-def compare_job(session: Session, job: Job, plan: Plan | None) -> dict[str, Any]:
+def compare_job(session: Session, job: Job, plan: Plan | None, hs: list[SeriesHead]) -> dict[str, Any]:
     """Predicted vs measured per rank and category, with the signed error: service.memory's view (the
-    same numbers as GET /v1/fine_tuning/jobs/{id}/memory), for ``plan`` when the job stored none."""
+    same numbers as GET /v1/fine_tuning/jobs/{id}/memory, whole-run peaks), for ``plan`` when the job
+    stored none."""
     from types import SimpleNamespace
 
-    from service.jobs.crud import list_memory_samples
     from service.memory.compare import job_memory_view
 
     view_job = SimpleNamespace(id=job.id, status=job.status, attempt=job.attempt,
                                plan=plan.model_dump(mode="json") if plan is not None else None,
                                memory_summary=job.memory_summary)
-    view = job_memory_view(view_job, list_memory_samples(session, job.id))
+    attempt, peaks = series.memory_peaks(hs)  # the page charts the points itself: only the peaks here
+    view = job_memory_view(view_job, [], peaks=peaks, attempt=attempt)
     per_rank = {r: [{**row, "label": COMPARED_LABELS.get(row["category"], row["category"])} for row in rows]
                 for r, rows in view["per_rank"].items()}
     return {"has_plan": view["has_plan"], "predicted": view["predicted"], "per_rank": per_rank,
@@ -172,19 +209,19 @@ def job_view(session: Session, principal: Principal, settings: Settings, job_id:
     job = get_job(session, principal, job_id)
     spec = job.spec or {}
     training = spec.get("training") or {}
-    events = list(session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
-    metrics: dict[int, dict] = {}
-    for e in events:
-        d = e.data or {}
-        if e.type == "metrics" and d.get("rank", 0) == 0 and d.get("step") is not None:
-            metrics[d["step"]] = d  # a resumed attempt's repeat of a step replaces the old point
+    # The newest EVENTS_SHOWN events; the SSE stream carries on from the newest.
+    events = list(session.scalars(select(JobEvent).where(JobEvent.job_id == job_id)
+                                  .order_by(JobEvent.id.desc()).limit(EVENTS_SHOWN)))[::-1]
+    metrics = series.metric_points(session, job_id)  # rank 0's, bounded whatever the run's length
     steps = sorted(metrics)
-    samples = memory_samples_after(session, job_id)
+    hs = series.heads(session, job_id, series.MEMORY)
+    samples, last_sample_id = memory_chart(session, job_id, hs)
     capacity, capacity_label = capacity_for(job, training)
     plan, plan_source = plan_of(job, settings)
-    comparison = compare_job(session, job, plan)
+    comparison = compare_job(session, job, plan, hs)
     ranks = sorted({s["rank"] for s in samples})
-    checkpoints = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+    checkpoints = list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                                       .order_by(Checkpoint.step.desc()).limit(CHECKPOINTS_SHOWN)))[::-1]
     last = metrics[steps[-1]] if steps else {}
     return {
         "job": {
@@ -212,14 +249,14 @@ def job_view(session: Session, principal: Principal, settings: Settings, job_id:
             "capacity_label": capacity_label,
             "ranks": ranks,
             "samples": samples,
-            "last_sample_id": samples[-1]["id"] if samples else 0,
+            "last_sample_id": last_sample_id,
         },
         "comparison": {**comparison, "plan_source": plan_source if comparison["has_plan"] else None},
         # An out-of-memory failure carries the planner's suggestions for the run that failed; else the plan's.
         "suggestions": suggestion_rows(error_suggestions(job.error) or (plan.suggestions if plan else [])),
         "plan": plan.model_dump(mode="json") if plan is not None else None,
         "events": [{"id": e.id, "created_at": e.created_at.timestamp(), "level": e.level, "type": e.type,
-                    "message": e.message} for e in events[-300:]],
+                    "message": e.message} for e in events],
         "last_event_id": events[-1].id if events else 0,
         "checkpoints": [{"step": c.step, "path": c.path, "metrics": c.metrics or {}, "attempt": c.attempt}
                         for c in checkpoints],
@@ -232,10 +269,12 @@ def job_rows(session: Session, principal: Principal, *, status: str | None = Non
     jobs = list_jobs(session, principal, limit=limit, status=status or None)
     ids = [j.id for j in jobs]
     peaks: dict[str, int] = {}
-    if ids:
-        q = (select(MemorySample.job_id, func.max(func.coalesce(MemorySample.peak_bytes, 0)))
-             .where(MemorySample.job_id.in_(ids)).group_by(MemorySample.job_id))
-        peaks = {job_id: int(v or 0) for job_id, v in session.execute(q)}
+    if ids:  # the memory series' heads: a few rows per job, not its samples
+        q = select(SeriesHead.job_id, SeriesHead.peaks).where(SeriesHead.job_id.in_(ids),
+                                                                SeriesHead.series == series.MEMORY)
+        for job_id, p in session.execute(q):
+            total = ((p or {}).get("any") or {}).get("total") or 0
+            peaks[job_id] = max(peaks.get(job_id, 0), int(total))
     rows = []
     for j in jobs:
         training = (j.spec or {}).get("training") or {}
