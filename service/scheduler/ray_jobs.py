@@ -17,6 +17,7 @@ log = logging.getLogger("memfit.scheduler")
 
 RAY_ACTIVE = frozenset({"PENDING", "RUNNING"})
 RAY_TERMINAL = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
+CODE_EXCLUDES = ["__pycache__", "*.pyc"]
 
 
 # --- the Ray side -------------------------------------------------------------------------------
@@ -67,6 +68,7 @@ class RayJobs:
         self.call_timeout_s = float(os.environ.get("MEMFIT_RAY_CALL_TIMEOUT_S", "60"))
         self._pool = None
         self._pool_lock = threading.Lock()
+        self._packages: list[str] | None = None
 
     def _call(self, fn, *args, **kwargs):
         import concurrent.futures
@@ -95,12 +97,30 @@ class RayJobs:
     def runtime_env(self, env_vars: dict[str, str]) -> dict[str, Any]:
         env: dict[str, Any] = {"env_vars": env_vars}
         if self.ship_code:
-            import service
-            import workers
-
-            env["py_modules"] = [str(Path(service.__file__).parent), str(Path(workers.__file__).parent)]
-            env["excludes"] = ["__pycache__", "*.pyc"]
+            env["py_modules"] = self.code_packages()
         return env
+
+    def code_packages(self) -> list[str]:
+        """The ``gcs://_ray_pkg_<hash>.zip`` URIs of ``service/`` and ``workers/``, uploaded only when
+        the cluster lacks them. Left to the Jobs client, each submission zips and hashes both folders
+        again; here that is done once per scheduler process (its code does not change under it), and
+        a submission costs one existence check per package — which also re-uploads a package a
+        restarted head (without GCS fault tolerance) lost."""
+        with self._lock:
+            if self._packages is None:
+                self._packages = [_package_uri(p) for p in _code_dirs()]
+            packages = list(self._packages)
+        for uri, path in zip(packages, _code_dirs()):
+            self._call(self._ensure_package, uri, path)
+        return packages
+
+    def _ensure_package(self, uri: str, path: Path) -> None:
+        client = self.client
+        if client._package_exists(uri):  # the Jobs SDK's own check (GET /api/packages/gcs/<name>)
+            return
+        log.info("uploading %s as %s", path, uri)
+        client._upload_package(uri, str(path), include_gitignore=_include_gitignore(), include_parent_dir=True,
+                               excludes=CODE_EXCLUDES)
 
     def submit(self, sid: str, entrypoint: str, env_vars: dict[str, str], metadata: dict[str, str]) -> bool:
         """Submit once. Returns True when this call created it, False when it already existed."""
@@ -190,6 +210,25 @@ def _client_for(address: str):
             return JobSubmissionClient(address)
         finally:
             os.environ.update(hidden)
+
+
+def _code_dirs() -> list[Path]:
+    import service
+    import workers
+
+    return [Path(service.__file__).parent, Path(workers.__file__).parent]
+
+
+def _include_gitignore() -> bool:
+    # As the Jobs SDK decides it (ray.dashboard.modules.dashboard_sdk), so the hash is the one it would compute.
+    return os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+
+
+def _package_uri(path: Path) -> str:
+    """The content-addressed URI Ray gives a py_modules folder (a hash of every file it would zip)."""
+    from ray._private.runtime_env.packaging import get_uri_for_directory
+
+    return get_uri_for_directory(str(path), _include_gitignore(), excludes=CODE_EXCLUDES)
 
 
 def _is_transient(exc: Exception) -> bool:
