@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from service.scheduler import readiness
 from service.scheduler.lifetime import command_lifetime
 from service.scheduler.local_head import LocalRayHead, free_port
 from service.settings import Settings
@@ -32,20 +33,33 @@ log = logging.getLogger("memfit.embedded")
 
 def run_dir(settings: Settings) -> Path:
     """Where a command records what it started (service/scheduler/lifetime.py), next to the data it serves."""
-    return settings.storage_dir / "run"
+    return readiness.run_dir(settings)
 
 
 def ray_for(settings: Settings, *, log_path: Path | None = None) -> tuple[Any, LocalRayHead | None]:
     """(RayJobs, the head we started or None). Starts a local head only without MEMFIT_RAY_ADDRESS."""
-    from service.scheduler.ray_jobs import RayJobs
+    head = local_head_for(settings, log_path=log_path)
+    if head is not None:
+        head.start()
+    return ray_jobs_for(settings, head), head
 
+
+def local_head_for(settings: Settings, *, log_path: Path | None = None) -> LocalRayHead | None:
+    """The local head to start (not started yet), or None where MEMFIT_RAY_ADDRESS names a cluster."""
     if settings.ray_address:
-        return RayJobs(settings.ray_address, auth_mode=settings.ray_auth_mode), None
+        return None
     os.environ.setdefault("RAY_AUTH_MODE", settings.ray_auth_mode)
     num_cpus = max(4, os.cpu_count() or 1)
-    head = LocalRayHead(num_cpus=num_cpus, auth_mode=settings.ray_auth_mode, log_path=log_path,
-                        record_dir=run_dir(settings)).start()
-    return RayJobs(head.dashboard_url, auth_mode=settings.ray_auth_mode), head
+    return LocalRayHead(num_cpus=num_cpus, auth_mode=settings.ray_auth_mode, log_path=log_path,
+                        record_dir=run_dir(settings))
+
+
+def ray_jobs_for(settings: Settings, head: LocalRayHead | None):
+    from service.scheduler.ray_jobs import RayJobs
+
+    if head is None:
+        return RayJobs(settings.ray_address, auth_mode=settings.ray_auth_mode)
+    return RayJobs(head.dashboard_url, auth_mode=settings.ray_auth_mode, driver_log_dir=head.logs_dir)
 
 
 def make_scheduler(settings: Settings, ray, sessions=None):
@@ -58,22 +72,53 @@ def make_scheduler(settings: Settings, ray, sessions=None):
 
 
 @contextmanager
-def background_scheduler(settings: Settings, *, ray_log: Path | None = None) -> Iterator[Any]:
-    """The scheduler loop in a thread for as long as the block runs (and the Ray head it needs)."""
-    from service.scheduler.loop import start_in_thread
+def background_scheduler(settings: Settings, *, ray_log: Path | None = None) -> Iterator[threading.Thread]:
+    """The scheduler loop in a thread for as long as the block runs, and the Ray head it needs —
+    started in that thread, so the caller serves HTTP at once. Until the scheduler reaches Ray,
+    ``/readyz`` answers 503 with the reason (service/scheduler/readiness.py); jobs posted meanwhile
+    are stored and wait in the queue."""
+    head = local_head_for(settings, log_path=ray_log)
+    stop = threading.Event()
+    up = threading.Event()  # the head (if ours) is up: from then on the loop, not start(), is to stop
+    readiness.mark(settings, False, "starting the local Ray head" if head is not None
+                   else f"connecting to the Ray Jobs API at {settings.ray_address}")
 
-    ray, head = ray_for(settings, log_path=ray_log)
-    thread = stop = None
+    def bring_up_and_run() -> None:
+        try:
+            if head is not None:
+                head.start()
+            up.set()
+            ray = ray_jobs_for(settings, head)
+            while not stop.is_set():
+                try:
+                    ray.client  # connects: the Jobs API answered
+                    break
+                except Exception as exc:  # noqa: BLE001 - RayUnavailable: try again shortly
+                    readiness.mark(settings, False, f"cannot reach the Ray Jobs API at {ray.address}: {exc}")
+                    stop.wait(2)
+            if stop.is_set():
+                return
+            scheduler = make_scheduler(settings, ray)
+            readiness.mark(settings, True, f"Ray at {ray.address}")
+            log.info("Ray is up (%s); scheduler starting", ray.address)
+            scheduler.run(stop)
+        except Exception as exc:  # noqa: BLE001 - the API stays up and says why it is not ready
+            if not stop.is_set():
+                log.exception("the scheduler could not start")
+                readiness.mark(settings, False, f"the scheduler could not start: {exc}")
+
+    thread = threading.Thread(target=bring_up_and_run, name="memfit-scheduler", daemon=True)
+    thread.start()
     try:
-        scheduler = make_scheduler(settings, ray)
-        thread, stop = start_in_thread(scheduler)
-        yield scheduler
+        yield thread
     finally:
-        if stop is not None:
-            stop.set()
-            thread.join(30)
+        stop.set()
+        if head is not None and not up.is_set():
+            head.stop()  # still starting: it gives up, and what it started ends
+        thread.join(30)
         if head is not None:
             head.stop()
+        readiness.clear(settings)
 
 
 def with_api_url(settings: Settings, host: str, port: int) -> Settings:
