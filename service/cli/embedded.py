@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from service.scheduler import readiness
 from service.scheduler.lifetime import command_lifetime
@@ -72,11 +73,14 @@ def make_scheduler(settings: Settings, ray, sessions=None):
 
 
 @contextmanager
-def background_scheduler(settings: Settings, *, ray_log: Path | None = None) -> Iterator[threading.Thread]:
+def background_scheduler(settings: Settings, *, ray_log: Path | None = None,
+                         after_api: str | None = None) -> Iterator[threading.Thread]:
     """The scheduler loop in a thread for as long as the block runs, and the Ray head it needs —
     started in that thread, so the caller serves HTTP at once. Until the scheduler reaches Ray,
     ``/readyz`` answers 503 with the reason (service/scheduler/readiness.py); jobs posted meanwhile
-    are stored and wait in the queue."""
+    are stored and wait in the queue. With ``after_api`` (the API's base URL) the head starts once
+    that API answers ``/healthz``: on a small machine `ray start` would otherwise take the CPU the
+    API needs to boot (at most ``API_FIRST_WAIT_S`` is waited)."""
     head = local_head_for(settings, log_path=ray_log)
     stop = threading.Event()
     up = threading.Event()  # the head (if ours) is up: from then on the loop, not start(), is to stop
@@ -86,6 +90,10 @@ def background_scheduler(settings: Settings, *, ray_log: Path | None = None) -> 
     def bring_up_and_run() -> None:
         try:
             if head is not None:
+                if after_api:
+                    _wait_for_health(after_api, stop)
+                if stop.is_set():
+                    return
                 head.start()
             up.set()
             ray = ray_jobs_for(settings, head)
@@ -119,6 +127,23 @@ def background_scheduler(settings: Settings, *, ray_log: Path | None = None) -> 
         if head is not None:
             head.stop()
         readiness.clear(settings)
+
+
+API_FIRST_WAIT_S = 20.0
+
+
+def _wait_for_health(api_url: str, stop: threading.Event) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + API_FIRST_WAIT_S
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{api_url.rstrip('/')}/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        stop.wait(0.1)
 
 
 def with_api_url(settings: Settings, host: str, port: int) -> Settings:
@@ -201,7 +226,8 @@ class EmbeddedService:
         try:
             try:
                 self.app = create_app(self.settings)
-                config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+                config = uvicorn.Config(WakeSchedulerOnPost(self.app), host=self.host, port=self.port,
+                                        log_level="warning", lifespan="on")
                 self._server = uvicorn.Server(config)
                 self._server_thread = threading.Thread(target=self._server.run, name="memfit-api", daemon=True)
                 self._server_thread.start()
@@ -265,3 +291,125 @@ def quiet_logging(log_file: Path) -> None:
     root.setLevel(logging.INFO)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "httpx", "ray.dashboard"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+# --- memfit serve's API, answering while it boots ----------------------------------------------------
+
+
+class BootingApp:
+    """The ASGI app `memfit serve` gives uvicorn: it answers ``/healthz`` from the moment uvicorn
+    listens and builds the real one (``api.app.create_app``: FastAPI, SQLAlchemy, the routes — seconds
+    of imports on a small machine) in a thread meanwhile. Until that is done ``/readyz`` answers 503
+    and every other request waits for it (none is refused); then each request goes straight to the
+    real app, whose lifespan runs as uvicorn would run it. If it cannot be built, the error is
+    logged and the process is ended by SIGTERM, as a failing uvicorn factory ends it."""
+
+    def __init__(self, factory: Callable[[], Any] | None = None) -> None:
+        self._factory = factory
+        self._app: Any = None
+        self._built = threading.Event()
+        self._error: BaseException | None = None
+        self._lifespan: Any = None  # (queue to the real app's lifespan, its task)
+        threading.Thread(target=self._build, name="memfit-api-build", daemon=True).start()
+
+    def _build(self) -> None:
+        try:
+            if self._factory is None:
+                from api.app import create_app
+
+                self._factory = create_app
+            self._app = WakeSchedulerOnPost(self._factory())
+        except BaseException as exc:  # noqa: BLE001 - reported, and the process ends
+            self._error = exc
+            log.exception("the API could not be built")
+        finally:
+            self._built.set()
+        if self._error is not None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    async def _real_app(self):
+        import asyncio
+
+        if not self._built.is_set():
+            await asyncio.get_running_loop().run_in_executor(None, self._built.wait)
+        if self._app is None:
+            raise RuntimeError(f"the API could not be built: {self._error}")
+        return self._app
+
+    async def __call__(self, scope, receive, send) -> None:
+        app = self._app
+        if app is not None and scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+        if scope["type"] == "lifespan":
+            return await self._run_lifespan(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] in ("/healthz", "/readyz"):
+            starting = scope["path"] == "/readyz"
+            body = b'{"status":"unavailable","api":"starting"}' if starting else b'{"status":"ok"}'
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            if starting:
+                headers.append((b"retry-after", b"1"))
+            await send({"type": "http.response.start", "status": 503 if starting else 200, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        app = await self._real_app()
+        await app(scope, receive, send)
+
+    async def _run_lifespan(self, scope, receive, send) -> None:
+        """Answer uvicorn's startup at once; start the real app's lifespan once it is built and end
+        it at shutdown."""
+        import asyncio
+
+        message = await receive()
+        assert message["type"] == "lifespan.startup"
+        inbox: asyncio.Queue = asyncio.Queue()
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def real_lifespan() -> None:
+            app = await self._real_app()
+            await inbox.put({"type": "lifespan.startup"})
+            await app(scope, inbox.get, outbox.put)
+
+        task = asyncio.ensure_future(real_lifespan())
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        if self._app is not None and not task.done():
+            await inbox.put({"type": "lifespan.shutdown"})
+            try:  # the real lifespan returns once its shutdown is done
+                await asyncio.wait_for(task, timeout=30)
+            except Exception:  # noqa: BLE001 - a failing shutdown step must not stop the others
+                log.exception("the API's shutdown failed")
+        task.cancel()
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+def booting_app() -> BootingApp:
+    """The uvicorn factory `memfit serve` runs (``service.cli.embedded:booting_app``)."""
+    return BootingApp()
+
+
+class WakeSchedulerOnPost:
+    """ASGI wrapper: once a job is created or resumed here, the scheduler in this process (if any)
+    runs its next tick now instead of at the end of its poll interval (service/scheduler/loop.py: wake)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.state = app.state  # where callers find the real app's settings and sessions
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not _WAKING.match(scope.get("path", "")):
+            return await self.app(scope, receive, send)
+        status = {}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+        if status.get("code", 500) < 300:
+            from service.scheduler.loop import wake
+
+            wake()
+
+
+_WAKING = re.compile(r"^/v1/fine_tuning/jobs(/[^/]+/resume)?$")

@@ -176,9 +176,15 @@ class Scheduler:
                  self.settings.poll_seconds, self.settings.lease_seconds, self.ray.address)
         beats = threading.Thread(target=self._keep_leases, args=(stop,), name="memfit-heartbeat", daemon=True)
         beats.start()
-        while not stop.is_set():
-            self.tick()
-            stop.wait(self.settings.poll_seconds)
+        woken = threading.Event()
+        _WAKERS.add(woken)
+        try:
+            while not stop.is_set():
+                woken.clear()  # a wake() during the tick runs the next one at once
+                self.tick()
+                _wait(stop, woken, self.settings.poll_seconds)
+        finally:
+            _WAKERS.discard(woken)
         beats.join(self.settings.lease_seconds)
         try:
             self.release_all()
@@ -774,6 +780,25 @@ def _try(fn: Callable, *args, **kwargs):
 
 
 # --- running it ---------------------------------------------------------------------------------
+
+
+_WAKERS: set[threading.Event] = set()
+
+
+def wake() -> None:
+    """Run every scheduler loop of this process now rather than at the end of its poll interval: a
+    job was just created (or resumed) here — `memfit serve` and `memfit run` call this after such a
+    POST, so a new job is validated, claimed and submitted without waiting up to ``poll_seconds``."""
+    for woken in list(_WAKERS):
+        woken.set()
+
+
+def _wait(stop: threading.Event, woken: threading.Event, timeout_s: float) -> None:
+    """Until ``timeout_s`` has passed, the loop is woken, or it is stopped (checked every 0.25 s)."""
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+        if woken.wait(min(left, 0.25)):
+            return
 
 
 def start_in_thread(scheduler: Scheduler) -> tuple[threading.Thread, threading.Event]:
