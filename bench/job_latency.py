@@ -95,6 +95,22 @@ def _event_times(http: httpx.Client, job_id: str, t_post: float) -> list[tuple[f
             for at, message in rows]
 
 
+# The direct runs ship a copy of the code taken at the start (memfit's scheduler hashes it once at its
+# first submission): an edit to the checkout while the bench runs changes neither side's package.
+CODE_SNAPSHOT: list[Path] = []
+
+
+def snapshot_code(work: Path) -> None:
+    import shutil
+
+    from service.scheduler.ray_jobs import _code_dirs
+
+    for src in _code_dirs():
+        dst = work / "code" / src.name
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        CODE_SNAPSHOT.append(dst)
+
+
 def run_direct(ray, request: dict, work: Path, n: int) -> tuple[float, float]:
     """The same entrypoint and runtime_env, submitted straight to the Jobs API."""
     out = work / f"direct-{n}"
@@ -106,9 +122,9 @@ def run_direct(ray, request: dict, work: Path, n: int) -> tuple[float, float]:
     env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "RAY_AUTH_MODE": ray.auth_mode, "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     sid = f"direct-{n}-{int(time.time() * 1000)}"
-    from service.scheduler.ray_jobs import CODE_EXCLUDES, _code_dirs
+    from service.scheduler.ray_jobs import CODE_EXCLUDES
 
-    runtime_env = {"env_vars": env, "py_modules": [str(p) for p in _code_dirs()], "excludes": CODE_EXCLUDES}
+    runtime_env = {"env_vars": env, "py_modules": [str(p) for p in CODE_SNAPSHOT], "excludes": CODE_EXCLUDES}
     t_submit = time.time()
     ray.client.submit_job(entrypoint=f"{ray.python} -m workers.run {path}", submission_id=sid,
                           runtime_env=runtime_env, entrypoint_num_cpus=ray.entrypoint_num_cpus)
@@ -137,6 +153,7 @@ def main() -> None:
     from service.store.db import session_scope
 
     work = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
+    snapshot_code(work)
     quiet_logging(work / "bench.log")
     t0 = time.time()
     head = LocalRayHead(num_cpus=8, log_path=work / "ray-head.log").start()

@@ -110,10 +110,15 @@ def background_scheduler(settings: Settings, *, ray_log: Path | None = None,
             readiness.mark(settings, True, f"Ray at {ray.address}")
             log.info("Ray is up (%s); scheduler starting", ray.address)
             scheduler.run(stop)
-        except Exception as exc:  # noqa: BLE001 - the API stays up and says why it is not ready
-            if not stop.is_set():
-                log.exception("the scheduler could not start")
-                readiness.mark(settings, False, f"the scheduler could not start: {exc}")
+        except Exception as exc:  # noqa: BLE001 - reported; then the command ends, as it did before serving
+            if stop.is_set():
+                return
+            log.exception("the scheduler could not start")
+            readiness.mark(settings, False, f"the scheduler could not start: {exc}")
+            if head is not None:
+                # Our own head failed to start (twice): end `memfit serve` — what it started goes
+                # with it — rather than serve an API that can never run a job.
+                os.kill(os.getpid(), signal.SIGTERM)
 
     thread = threading.Thread(target=bring_up_and_run, name="memfit-scheduler", daemon=True)
     thread.start()
