@@ -3,8 +3,8 @@ restarts still become job events, once each), and `memfit serve` answering befor
 
 from __future__ import annotations
 
-import json
 import os
+import shlex
 import signal
 import sqlite3
 import subprocess
@@ -18,14 +18,16 @@ import pytest
 from service.scheduler.local_head import free_port
 
 MEMFIT = Path(sys.executable).with_name("memfit")
+# Ray Train's controller logs "[FailurePolicy] RETRY" to the driver for each restart. Built at run time:
+# the driver log also shows the entrypoint's command line, which must not count as a restart.
 PRINT_LINES = ("import time\n"
                "for i in range(6):\n"
-               "    print(f'line {i}' + (' [FailurePolicy] RETRY' if i in (1, 4) else ''), flush=True)\n"
+               "    print(f'line {i}' + (' [Failure' + 'Policy] RETRY' if i in (1, 4) else ''), flush=True)\n"
                "    time.sleep(0.4)\n")
 
 
 def _entrypoint(code: str) -> str:
-    return f"{sys.executable} -c {json.dumps(code)}"
+    return f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}"
 
 
 def _wait_done(ray, sid: str, timeout_s: float = 120) -> str:
@@ -255,3 +257,34 @@ def test_the_booting_api_answers_healthz_at_once_and_holds_other_requests_until_
         r = client.get("/v1/fine_tuning/jobs", headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200 and r.json()["data"] == []
         assert client.get("/readyz").status_code == 200
+
+
+def test_a_posted_job_wakes_the_scheduler_instead_of_waiting_for_its_next_poll(new_database, tmp_path):
+    """`memfit serve` and `memfit run` serve the API wrapped so that a created job wakes the loop: with
+    a 60 s poll interval the job still leaves validating_files within seconds."""
+    from starlette.testclient import TestClient
+
+    from service.cli.embedded import WakeSchedulerOnPost
+    from service.scheduler.loop import start_in_thread
+    from tests.factories import create_job, new_key, upload
+    from tests.scheduler_support import app_without_ray
+
+    with app_without_ray(new_database, tmp_path / "storage", poll_seconds=60) as (app, _, sched):
+        thread, stop = start_in_thread(sched)
+        try:
+            deadline = time.monotonic() + 60
+            while not (sched._last_heartbeat and sched._tick_started is None):  # the first tick is over
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            with TestClient(WakeSchedulerOnPost(app)) as http:
+                key = new_key(app.state.sessions)
+                job = create_job(http, key, upload(http, key))
+                posted = time.monotonic()
+                while (status := http.get(f"/v1/fine_tuning/jobs/{job['id']}",
+                                          headers={"Authorization": f"Bearer {key}"}).json()["status"]) \
+                        == "validating_files" and time.monotonic() - posted < 30:
+                    time.sleep(0.1)
+        finally:
+            stop.set()
+            thread.join(30)
+    assert status != "validating_files"  # a tick ran long before the 60 s poll was due

@@ -1,6 +1,7 @@
 """The scheduler: moves jobs from the Postgres queue onto a Ray cluster and keeps both views agreeing.
 
-One loop (``Scheduler.tick``, every ``settings.poll_seconds``) does, in order:
+One loop (``Scheduler.tick``, every ``settings.poll_seconds``, or at once when :func:`wake` is called
+after a job was created in this process) does, in order:
 
 1. **heartbeat** — renew the lease on every job this scheduler owns (``lease_owner = me``); ``run``
    also renews them from a thread of its own every quarter lease, so a slow tick does not let them
