@@ -155,14 +155,15 @@ def test_serve_answers_before_its_ray_head_is_up_and_keeps_the_jobs_posted_meanw
     t0 = time.monotonic()
     proc = subprocess.Popen([str(MEMFIT), "serve", "--port", str(port)], cwd=tmp_path, env=env,
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers={"Authorization": f"Bearer {key}"})
+    # Long timeouts: the first requests wait while the API is built (seconds; more on a loaded machine).
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=180, headers={"Authorization": f"Bearer {key}"})
     try:
         healthy_at = None
         while healthy_at is None:
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() - t0 < 120, "no /healthz within 120 s"
             try:
-                if http.get("/healthz").status_code == 200:
+                if http.get("/healthz", timeout=2).status_code == 200:
                     healthy_at = time.monotonic() - t0
             except httpx.HTTPError:
                 time.sleep(0.05)
