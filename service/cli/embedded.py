@@ -94,7 +94,9 @@ def background_scheduler(settings: Settings, *, ray_log: Path | None = None,
                     _wait_for_health(after_api, stop)
                 if stop.is_set():
                     return
-                head.start()
+                # One more try than a foreground start: nobody waits at a terminal for this one, and on a
+                # loaded machine `ray start` misses its 30 s raylet registration now and then.
+                head.start(attempts=3)
             up.set()
             ray = ray_jobs_for(settings, head)
             while not stop.is_set():
