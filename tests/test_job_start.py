@@ -177,9 +177,10 @@ def test_serve_answers_before_its_ray_head_is_up_and_keeps_the_jobs_posted_meanw
         posted_while_starting = http.get("/readyz").status_code == 503
         assert posted.status_code == 200, posted.text
         job_id = posted.json()["id"]
-        if early.status_code == 503:  # the head takes seconds to start: the usual case
-            assert early.json()["ray"] == "starting the local Ray head", early.json()
-            assert early.headers["Retry-After"] == "2"
+        if early.status_code == 503:  # the API still being built, or the head starting: the usual case
+            assert early.json().get("api") == "starting" or early.json()["ray"] == "starting the local Ray head", \
+                early.json()
+            assert early.headers["Retry-After"] in ("1", "2")
         deadline = time.monotonic() + 300
         while (r := http.get("/readyz")).status_code != 200:
             assert proc.poll() is None, log.read_text()[-3000:]
