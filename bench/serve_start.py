@@ -1,9 +1,11 @@
 """`memfit serve` start-up: process start → first ``/healthz`` 200, → first ``/readyz`` 200 (its local
 Ray head up and reached by the scheduler), over a few rounds, each a fresh SQLite home.
 
-    .venv/bin/python bench/serve_start.py [--rounds 3]
+    .venv/bin/python bench/serve_start.py [--rounds 3] [--reference /work/main/.venv/bin/memfit]
 
-Prints each round, then the median and the spread (min–max). Target: /healthz within 3 s.
+Prints each round, then the median and the spread (min–max). Target: /healthz within 3 s. With
+``--reference``, that `memfit` (another checkout's) runs in alternating rounds, as a reference on the
+same machine load (a serve without the Ray check in /readyz is "ready" when it answers at all).
 Each round's `memfit serve` is stopped with SIGTERM, which ends the head it started.
 """
 
@@ -39,12 +41,12 @@ def serve_env(home: Path) -> dict[str, str]:
     return env
 
 
-def one_round(home: Path, deadline_s: float = 240) -> tuple[float, float, list[str]]:
+def one_round(home: Path, memfit: Path = MEMFIT, deadline_s: float = 240) -> tuple[float, float, list[str]]:
     """Seconds from Popen to the first /healthz 200 and to the first /readyz 200; /readyz answers seen before."""
     port = free_port()
     log = open(home / "serve.log", "wb")
     t0 = time.monotonic()
-    proc = subprocess.Popen([str(MEMFIT), "serve", "--port", str(port)], cwd=home, env=serve_env(home),
+    proc = subprocess.Popen([str(memfit), "serve", "--port", str(port)], cwd=home, env=serve_env(home),
                             stdout=log, stderr=subprocess.STDOUT)
     healthy = ready = None
     early: list[str] = []
@@ -80,19 +82,31 @@ def one_round(home: Path, deadline_s: float = 240) -> tuple[float, float, list[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reference", type=Path, default=None, help="another `memfit` to alternate with")
     args = ap.parse_args()
-    health, ready = [], []
+    runs = {"this": (MEMFIT, [], [])}
+    if args.reference:
+        runs["reference"] = (args.reference, [], [])
     for n in range(1, args.rounds + 1):
-        home = Path(tempfile.mkdtemp(prefix="memfit-serve-"))
-        h, r, early = one_round(home)
-        health.append(h)
-        ready.append(r)
-        print(f"round {n}: /healthz {h:5.2f} s   /readyz {r:5.2f} s   (/readyz before: {early[:1]})", flush=True)
+        order = list(runs) if n % 2 else list(reversed(runs))
+        for name in order:
+            memfit, health, ready = runs[name]
+            home = Path(tempfile.mkdtemp(prefix="memfit-serve-"))
+            h, r, early = one_round(home, memfit)
+            health.append(h)
+            ready.append(r)
+            print(f"round {n} {name:9}: /healthz {h:5.2f} s   /readyz {r:5.2f} s   (/readyz before: {early[:1]})",
+                  flush=True)
     med = statistics.median
     print(f"\nmemfit serve over {args.rounds} rounds (median, min–max):")
-    print(f"  start → /healthz 200 : {med(health):5.2f} s ({min(health):.2f}–{max(health):.2f})   "
-          f"target ≤ 3 s: {'PASS' if med(health) <= 3 else 'FAIL'}")
-    print(f"  start → /readyz 200  : {med(ready):5.2f} s ({min(ready):.2f}–{max(ready):.2f})")
+    for name, (memfit, health, ready) in runs.items():
+        print(f"  {name:9} ({memfit}):")
+        print(f"    start → /healthz 200 : {med(health):5.2f} s ({min(health):.2f}–{max(health):.2f})")
+        print(f"    start → /readyz 200  : {med(ready):5.2f} s ({min(ready):.2f}–{max(ready):.2f})")
+    health = runs["this"][1]
+    print(f"  target /healthz ≤ 3 s: {'PASS' if med(health) <= 3 else 'FAIL'} ({med(health):.2f} s)")
+    if args.reference:
+        print(f"  /healthz ratio this/reference: {med(health) / med(runs['reference'][1]):.2f}")
 
 
 if __name__ == "__main__":
