@@ -91,6 +91,7 @@ class RayJobs:
         self._pool = None
         self._pool_lock = threading.Lock()
         self._packages: list[str] | None = None
+        self._packages_lock = threading.Lock()
 
     def _call(self, fn, *args, **kwargs):
         import concurrent.futures
@@ -128,7 +129,8 @@ class RayJobs:
         again; here that is done once per scheduler process (its code does not change under it), and
         a submission costs one existence check per package — which also re-uploads a package a
         restarted head (without GCS fault tolerance) lost."""
-        with self._lock:
+        # Not self._lock: a pool thread stuck connecting to a silent head may hold that one.
+        with self._packages_lock:
             if self._packages is None:
                 self._packages = [_package_uri(p) for p in _code_dirs()]
             packages = list(self._packages)
