@@ -135,7 +135,7 @@ class RayJobs:
                 self._packages = [_package_uri(p) for p in _code_dirs()]
             packages = list(self._packages)
         for uri, path in zip(packages, _code_dirs()):
-            self._call(self._ensure_package, uri, path)
+            self._ensure_package(uri, path)
         return packages
 
     def _ensure_package(self, uri: str, path: Path) -> None:
@@ -149,11 +149,11 @@ class RayJobs:
     def submit(self, sid: str, entrypoint: str, env_vars: dict[str, str], metadata: dict[str, str]) -> bool:
         """Submit once. Returns True when this call created it, False when it already existed."""
         try:
+            # The runtime_env too is made in the pool: its package check is a call to the head as well.
             self._call(
-                lambda **kw: self.client.submit_job(**kw),
+                lambda **kw: self.client.submit_job(runtime_env=self.runtime_env(env_vars), **kw),
                 entrypoint=entrypoint,
                 submission_id=sid,
-                runtime_env=self.runtime_env(env_vars),
                 entrypoint_num_cpus=self.entrypoint_num_cpus,
                 metadata=metadata,
             )
@@ -275,6 +275,9 @@ def _include_gitignore() -> bool:
 
 def _package_uri(path: Path) -> str:
     """The content-addressed URI Ray gives a py_modules folder (a hash of every file it would zip)."""
+    # ray.job_submission first, the order the client's own import takes: another thread importing
+    # it meanwhile then makes this one wait, instead of finding packaging half-initialized.
+    import ray.job_submission  # noqa: F401
     from ray._private.runtime_env.packaging import get_uri_for_directory
 
     return get_uri_for_directory(str(path), _include_gitignore(), excludes=CODE_EXCLUDES)
