@@ -1,17 +1,20 @@
 """What memfit adds around a training run: POST → first training step, last step → succeeded.
 
-On one warm local Ray head, the same tiny job is run alternately
+On one warm local Ray head, the same tiny job is run in alternating rounds (the order swaps each
+round, so a drift in the machine's load falls on both alike)
   (a) through memfit: POST /v1/fine_tuning/jobs over HTTP → scheduler (claim, validate, submit via
       the Jobs API) → Ray job → metrics posted back → ``succeeded`` written by ingest;
-  (b) directly: the identical entrypoint (``python -m workers.run REQUEST.json``, same runtime_env,
-      same spec and files, metrics to JSON lines only) submitted with the Ray Jobs API, as
-      ``ray job submit`` does.
+  (b) directly: the identical entrypoint (``python -m workers.run REQUEST.json``, same env_vars,
+      ``service/`` and ``workers/`` as ``py_modules`` folders, same spec and files, metrics to JSON
+      lines only) submitted with the Ray Jobs client, as ``ray job submit --py-modules`` does.
 Timestamps: a step's time is the one the Ray Train controller stamped on its record (same host
 clock); memfit's end is the job's ``finished_at``; the direct run's end is Ray's job ``end_time``.
 
     .venv/bin/python bench/job_latency.py [--runs 3] [--steps 5]
 
-Prints medians and memfit's added seconds and ratio at the start and at the end (target: < 2 s each).
+Prints each round, the median and spread (min–max) of each, memfit's added seconds and ratio, PASS/FAIL
+of POST → first step against 1.02 × direct, and where memfit's start went in the first measured round
+(its job events, relative to the POST).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def job_body(train_id: str, steps: int) -> dict:
     }
 
 
-def run_memfit(http: httpx.Client, train_id: str, steps: int) -> tuple[float, float, str]:
+def run_memfit(http: httpx.Client, train_id: str, steps: int) -> tuple[float, float, str, list[tuple[float, str]]]:
     t_post = time.time()
     job = http.post("/v1/fine_tuning/jobs", json=job_body(train_id, steps)).json()
     job_id = job["id"]
@@ -62,7 +65,9 @@ def run_memfit(http: httpx.Client, train_id: str, steps: int) -> tuple[float, fl
     # finished_at is whole seconds in the public job; take the exact value from the success event.
     done = next(e for e in events if e["message"] == "The job has successfully completed")
     finished = _exact_finish(http, job_id) or float(done["created_at"])
-    return times[0] - t_post, finished - times[-1], job_id
+    phases = _event_times(http, job_id, t_post)
+    phases.append((times[0] - t_post, "first training step (rank 0)"))
+    return times[0] - t_post, finished - times[-1], job_id, sorted(phases)
 
 
 def _exact_finish(http: httpx.Client, job_id: str) -> float | None:
@@ -70,10 +75,40 @@ def _exact_finish(http: httpx.Client, job_id: str) -> float | None:
 
     from service.store.models import Job
 
-    sessions = http.app_sessions  # type: ignore[attr-defined]
-    with sessions() as s:
+    with http.app_sessions() as s:  # type: ignore[attr-defined]
         finished = s.scalar(select(Job.finished_at).where(Job.id == job_id))
     return finished.timestamp() if finished else None
+
+
+def _event_times(http: httpx.Client, job_id: str, t_post: float) -> list[tuple[float, str]]:
+    """The job's message events, at their exact times from the database (the public ones are whole seconds)."""
+    from datetime import timezone
+
+    from sqlalchemy import select
+
+    from service.store.models import JobEvent
+
+    with http.app_sessions() as s:  # type: ignore[attr-defined]
+        rows = s.execute(select(JobEvent.created_at, JobEvent.message)
+                         .where(JobEvent.job_id == job_id, JobEvent.type == "message")).all()
+    return [((at if at.tzinfo else at.replace(tzinfo=timezone.utc)).timestamp() - t_post, message)
+            for at, message in rows]
+
+
+# The direct runs ship a copy of the code taken at the start (memfit's scheduler hashes it once at its
+# first submission): an edit to the checkout while the bench runs changes neither side's package.
+CODE_SNAPSHOT: list[Path] = []
+
+
+def snapshot_code(work: Path) -> None:
+    import shutil
+
+    from service.scheduler.ray_jobs import _code_dirs
+
+    for src in _code_dirs():
+        dst = work / "code" / src.name
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        CODE_SNAPSHOT.append(dst)
 
 
 def run_direct(ray, request: dict, work: Path, n: int) -> tuple[float, float]:
@@ -87,8 +122,12 @@ def run_direct(ray, request: dict, work: Path, n: int) -> tuple[float, float]:
     env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "RAY_AUTH_MODE": ray.auth_mode, "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     sid = f"direct-{n}-{int(time.time() * 1000)}"
+    from service.scheduler.ray_jobs import CODE_EXCLUDES
+
+    runtime_env = {"env_vars": env, "py_modules": [str(p) for p in CODE_SNAPSHOT], "excludes": CODE_EXCLUDES}
     t_submit = time.time()
-    ray.submit(sid, f"{ray.python} -m workers.run {path}", env, {})
+    ray.client.submit_job(entrypoint=f"{ray.python} -m workers.run {path}", submission_id=sid,
+                          runtime_env=runtime_env, entrypoint_num_cpus=ray.entrypoint_num_cpus)
     while True:
         st = ray.status(sid)
         if st and st.status in ("SUCCEEDED", "FAILED", "STOPPED"):
@@ -114,6 +153,7 @@ def main() -> None:
     from service.store.db import session_scope
 
     work = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
+    snapshot_code(work)
     quiet_logging(work / "bench.log")
     t0 = time.time()
     head = LocalRayHead(num_cpus=8, log_path=work / "ray-head.log").start()
@@ -130,32 +170,55 @@ def main() -> None:
             train_id = http.post("/v1/files", files={"file": ("chat.jsonl", f)}, data={"purpose": "fine-tune"}).json()["id"]
 
         print("warm-up run (not measured) …", flush=True)
-        _, _, warm_id = run_memfit(http, train_id, args.steps)
+        _, _, warm_id, _ = run_memfit(http, train_id, args.steps)
         from service.scheduler.paths import request_path
 
         request = json.loads(request_path(settings, warm_id, 1).read_text())
         run_direct(service.scheduler.ray, request, work, 0)
 
         memfit_start, memfit_end, direct_start, direct_end = [], [], [], []
+        first_phases = None
         for n in range(1, args.runs + 1):
-            s, e, _ = run_memfit(http, train_id, args.steps)
-            memfit_start.append(s)
-            memfit_end.append(e)
-            ds, de = run_direct(service.scheduler.ray, request, work, n)
-            direct_start.append(ds)
-            direct_end.append(de)
-            print(f"run {n}: memfit start {s:6.2f} s end {e:5.2f} s | direct start {ds:6.2f} s end {de:5.2f} s",
+            def memfit_run():
+                s, e, _, phases = run_memfit(http, train_id, args.steps)
+                memfit_start.append(s)
+                memfit_end.append(e)
+                return phases
+
+            def direct_run():
+                ds, de = run_direct(service.scheduler.ray, request, work, n)
+                direct_start.append(ds)
+                direct_end.append(de)
+
+            if n % 2:
+                phases = memfit_run()
+                direct_run()
+            else:
+                direct_run()
+                phases = memfit_run()
+            first_phases = first_phases or phases
+            print(f"round {n} ({'memfit first' if n % 2 else 'direct first'}): memfit start {memfit_start[-1]:6.2f} s "
+                  f"end {memfit_end[-1]:5.2f} s | direct start {direct_start[-1]:6.2f} s end {direct_end[-1]:5.2f} s",
                   flush=True)
 
         med = statistics.median
+
+        def spread(xs):
+            return f"{min(xs):.2f}–{max(xs):.2f}"
+
         ms, me, ds, de = med(memfit_start), med(memfit_end), med(direct_start), med(direct_end)
+        ratio = ms / ds
         print()
-        print(f"median over {args.runs} runs ({args.steps} steps, tiny-llama LoRA, ddp × 2 CPU workers):")
-        print(f"  POST/submit → first training step : memfit {ms:6.2f} s   direct Jobs API {ds:6.2f} s   "
-              f"memfit adds {ms - ds:+.2f} s (ratio {ms / ds:.2f})")
-        print(f"  last step → succeeded             : memfit {me:6.2f} s   direct Jobs API {de:6.2f} s   "
-              f"memfit adds {me - de:+.2f} s (ratio {me / de if de > 0 else float('nan'):.2f})")
-        print("  target: memfit adds < 2 s at the start and < 2 s at the end")
+        print(f"median (min–max) over {args.runs} alternating rounds ({args.steps} steps, tiny-llama LoRA, "
+              f"ddp × 2 CPU workers):")
+        print(f"  POST/submit → first training step : memfit {ms:6.2f} s ({spread(memfit_start)})   direct Jobs API "
+              f"{ds:6.2f} s ({spread(direct_start)})   memfit adds {ms - ds:+.2f} s (ratio {ratio:.3f})")
+        print(f"  last step → succeeded             : memfit {me:6.2f} s ({spread(memfit_end)})   direct Jobs API "
+              f"{de:6.2f} s ({spread(direct_end)})   memfit adds {me - de:+.2f} s")
+        print(f"  job start target ≤ 1.02 × direct: {'PASS' if ratio <= 1.02 else 'FAIL'} (ratio {ratio:.3f})")
+        print("\nwhere memfit's start went (round 1, seconds after the POST):")
+        for at, what in first_phases:
+            print(f"  {at:7.2f}  {what}")
     finally:
         service.stop()
         head.stop(timeout_s=10)

@@ -202,6 +202,13 @@ def healthy(port: int) -> bool:
         return False
 
 
+def ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def start_serve(run: Run, port: int, *args: str) -> Path:
     log = run.home / f"serve-{run.mark}.log"
     run.ports.add(port)
@@ -211,10 +218,10 @@ def start_serve(run: Run, port: int, *args: str) -> Path:
 
 
 def serve_until_ray_is_up(run: Run, port: int, *args: str) -> Path:
-    """`memfit serve` on SQLite with its local Ray head; returns once /healthz answers (the head starts
-    before the API binds) and the head's processes are seen."""
+    """`memfit serve` on SQLite with its local Ray head; returns once /readyz answers 200 (the head
+    starts in the background after the API answers) and the head's processes are seen."""
     log = start_serve(run, port, *args)
-    wait_for(lambda: healthy(port), 240, "/healthz", run.proc, log)
+    wait_for(lambda: ready(port), 240, "/readyz", run.proc, log)
     wait_for(lambda: run.has("raylet") and run.has("gcs_server"), 30, "the Ray head's raylet and GCS")
     return log
 
@@ -249,7 +256,7 @@ def test_serve_ctrl_c_while_its_ray_head_starts_ends_the_head(runs):
     port = free_port()
     log = start_serve(run, port)
     wait_for(lambda: run.has("--head") and run.has("gcs_server"), 120, "the Ray head's GCS", run.proc, log)
-    assert not healthy(port)  # still starting
+    assert not ready(port)  # the API may answer already; it is not ready while its head starts
 
     run.proc.send_signal(signal.SIGINT)
     run.proc.wait(120)

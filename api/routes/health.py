@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from service.scheduler import readiness
 from service.store import db
 
 router = APIRouter(tags=["health"])
@@ -17,7 +18,8 @@ def healthz():
 
 @router.get("/readyz")
 def readyz(request: Request):
-    """Ready when the database answers and its schema is at the migrations' head."""
+    """Ready when the database answers, its schema is at the migrations' head and — under `memfit
+    serve`, whose scheduler starts its Ray head after the API already answers — Ray is reachable."""
     engine = request.app.state.engine
     try:
         revision = db.current_revision(engine)
@@ -32,4 +34,12 @@ def readyz(request: Request):
              "hint": "run `memfit db upgrade`"},
             status_code=503,
         )
-    return {"status": "ok", "database": "ok", "schema": revision}
+    ray = readiness.read(request.app.state.settings)
+    if ray is not None and not ray[0]:
+        # Jobs are accepted meanwhile: they wait in the queue until the scheduler reaches Ray.
+        return JSONResponse({"status": "unavailable", "database": "ok", "schema": revision, "ray": ray[1]},
+                            status_code=503, headers={"Retry-After": "2"})
+    body = {"status": "ok", "database": "ok", "schema": revision}
+    if ray is not None:
+        body["ray"] = "ok"
+    return body

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from service.scheduler import readiness
 from service.scheduler.lifetime import command_lifetime
 from service.scheduler.local_head import LocalRayHead, free_port
 from service.settings import Settings
@@ -32,20 +34,33 @@ log = logging.getLogger("memfit.embedded")
 
 def run_dir(settings: Settings) -> Path:
     """Where a command records what it started (service/scheduler/lifetime.py), next to the data it serves."""
-    return settings.storage_dir / "run"
+    return readiness.run_dir(settings)
 
 
 def ray_for(settings: Settings, *, log_path: Path | None = None) -> tuple[Any, LocalRayHead | None]:
     """(RayJobs, the head we started or None). Starts a local head only without MEMFIT_RAY_ADDRESS."""
-    from service.scheduler.ray_jobs import RayJobs
+    head = local_head_for(settings, log_path=log_path)
+    if head is not None:
+        head.start()
+    return ray_jobs_for(settings, head), head
 
+
+def local_head_for(settings: Settings, *, log_path: Path | None = None) -> LocalRayHead | None:
+    """The local head to start (not started yet), or None where MEMFIT_RAY_ADDRESS names a cluster."""
     if settings.ray_address:
-        return RayJobs(settings.ray_address, auth_mode=settings.ray_auth_mode), None
+        return None
     os.environ.setdefault("RAY_AUTH_MODE", settings.ray_auth_mode)
     num_cpus = max(4, os.cpu_count() or 1)
-    head = LocalRayHead(num_cpus=num_cpus, auth_mode=settings.ray_auth_mode, log_path=log_path,
-                        record_dir=run_dir(settings)).start()
-    return RayJobs(head.dashboard_url, auth_mode=settings.ray_auth_mode), head
+    return LocalRayHead(num_cpus=num_cpus, auth_mode=settings.ray_auth_mode, log_path=log_path,
+                        record_dir=run_dir(settings))
+
+
+def ray_jobs_for(settings: Settings, head: LocalRayHead | None):
+    from service.scheduler.ray_jobs import RayJobs
+
+    if head is None:
+        return RayJobs(settings.ray_address, auth_mode=settings.ray_auth_mode)
+    return RayJobs(head.dashboard_url, auth_mode=settings.ray_auth_mode, driver_log_dir=head.logs_dir)
 
 
 def make_scheduler(settings: Settings, ray, sessions=None):
@@ -58,22 +73,84 @@ def make_scheduler(settings: Settings, ray, sessions=None):
 
 
 @contextmanager
-def background_scheduler(settings: Settings, *, ray_log: Path | None = None) -> Iterator[Any]:
-    """The scheduler loop in a thread for as long as the block runs (and the Ray head it needs)."""
-    from service.scheduler.loop import start_in_thread
+def background_scheduler(settings: Settings, *, ray_log: Path | None = None,
+                         after_api: str | None = None) -> Iterator[threading.Thread]:
+    """The scheduler loop in a thread for as long as the block runs, and the Ray head it needs —
+    started in that thread, so the caller serves HTTP at once. Until the scheduler reaches Ray,
+    ``/readyz`` answers 503 with the reason (service/scheduler/readiness.py); jobs posted meanwhile
+    are stored and wait in the queue. With ``after_api`` (the API's base URL) the head starts once
+    that API answers ``/healthz``: on a small machine `ray start` would otherwise take the CPU the
+    API needs to boot (at most ``API_FIRST_WAIT_S`` is waited)."""
+    head = local_head_for(settings, log_path=ray_log)
+    stop = threading.Event()
+    up = threading.Event()  # the head (if ours) is up: from then on the loop, not start(), is to stop
+    readiness.mark(settings, False, "starting the local Ray head" if head is not None
+                   else f"connecting to the Ray Jobs API at {settings.ray_address}")
 
-    ray, head = ray_for(settings, log_path=ray_log)
-    thread = stop = None
+    def bring_up_and_run() -> None:
+        try:
+            if head is not None:
+                if after_api:
+                    _wait_for_health(after_api, stop)
+                if stop.is_set():
+                    return
+                # One more try than a foreground start: nobody waits at a terminal for this one, and on a
+                # loaded machine `ray start` misses its 30 s raylet registration now and then.
+                head.start(attempts=3)
+            up.set()
+            ray = ray_jobs_for(settings, head)
+            while not stop.is_set():
+                try:
+                    ray.client  # connects: the Jobs API answered
+                    break
+                except Exception as exc:  # noqa: BLE001 - RayUnavailable: try again shortly
+                    readiness.mark(settings, False, f"cannot reach the Ray Jobs API at {ray.address}: {exc}")
+                    stop.wait(2)
+            if stop.is_set():
+                return
+            scheduler = make_scheduler(settings, ray)
+            readiness.mark(settings, True, f"Ray at {ray.address}")
+            log.info("Ray is up (%s); scheduler starting", ray.address)
+            scheduler.run(stop)
+        except Exception as exc:  # noqa: BLE001 - reported; then the command ends, as it did before serving
+            if stop.is_set():
+                return
+            log.exception("the scheduler could not start")
+            readiness.mark(settings, False, f"the scheduler could not start: {exc}")
+            if head is not None:
+                # Our own head failed to start (twice): end `memfit serve` — what it started goes
+                # with it — rather than serve an API that can never run a job.
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=bring_up_and_run, name="memfit-scheduler", daemon=True)
+    thread.start()
     try:
-        scheduler = make_scheduler(settings, ray)
-        thread, stop = start_in_thread(scheduler)
-        yield scheduler
+        yield thread
     finally:
-        if stop is not None:
-            stop.set()
-            thread.join(30)
+        stop.set()
+        if head is not None and not up.is_set():
+            head.stop()  # still starting: it gives up, and what it started ends
+        thread.join(30)
         if head is not None:
             head.stop()
+        readiness.clear(settings)
+
+
+API_FIRST_WAIT_S = 20.0
+
+
+def _wait_for_health(api_url: str, stop: threading.Event) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + API_FIRST_WAIT_S
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{api_url.rstrip('/')}/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        stop.wait(0.1)
 
 
 def with_api_url(settings: Settings, host: str, port: int) -> Settings:
@@ -156,7 +233,8 @@ class EmbeddedService:
         try:
             try:
                 self.app = create_app(self.settings)
-                config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+                config = uvicorn.Config(WakeSchedulerOnPost(self.app), host=self.host, port=self.port,
+                                        log_level="warning", lifespan="on")
                 self._server = uvicorn.Server(config)
                 self._server_thread = threading.Thread(target=self._server.run, name="memfit-api", daemon=True)
                 self._server_thread.start()
@@ -220,3 +298,125 @@ def quiet_logging(log_file: Path) -> None:
     root.setLevel(logging.INFO)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "httpx", "ray.dashboard"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+# --- memfit serve's API, answering while it boots ----------------------------------------------------
+
+
+class BootingApp:
+    """The ASGI app `memfit serve` gives uvicorn: it answers ``/healthz`` from the moment uvicorn
+    listens and builds the real one (``api.app.create_app``: FastAPI, SQLAlchemy, the routes — seconds
+    of imports on a small machine) in a thread meanwhile. Until that is done ``/readyz`` answers 503
+    and every other request waits for it (none is refused); then each request goes straight to the
+    real app, whose lifespan runs as uvicorn would run it. If it cannot be built, the error is
+    logged and the process is ended by SIGTERM, as a failing uvicorn factory ends it."""
+
+    def __init__(self, factory: Callable[[], Any] | None = None) -> None:
+        self._factory = factory
+        self._app: Any = None
+        self._built = threading.Event()
+        self._error: BaseException | None = None
+        self._lifespan: Any = None  # (queue to the real app's lifespan, its task)
+        threading.Thread(target=self._build, name="memfit-api-build", daemon=True).start()
+
+    def _build(self) -> None:
+        try:
+            if self._factory is None:
+                from api.app import create_app
+
+                self._factory = create_app
+            self._app = WakeSchedulerOnPost(self._factory())
+        except BaseException as exc:  # noqa: BLE001 - reported, and the process ends
+            self._error = exc
+            log.exception("the API could not be built")
+        finally:
+            self._built.set()
+        if self._error is not None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    async def _real_app(self):
+        import asyncio
+
+        if not self._built.is_set():
+            await asyncio.get_running_loop().run_in_executor(None, self._built.wait)
+        if self._app is None:
+            raise RuntimeError(f"the API could not be built: {self._error}")
+        return self._app
+
+    async def __call__(self, scope, receive, send) -> None:
+        app = self._app
+        if app is not None and scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+        if scope["type"] == "lifespan":
+            return await self._run_lifespan(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] in ("/healthz", "/readyz"):
+            starting = scope["path"] == "/readyz"
+            body = b'{"status":"unavailable","api":"starting"}' if starting else b'{"status":"ok"}'
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            if starting:
+                headers.append((b"retry-after", b"1"))
+            await send({"type": "http.response.start", "status": 503 if starting else 200, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        app = await self._real_app()
+        await app(scope, receive, send)
+
+    async def _run_lifespan(self, scope, receive, send) -> None:
+        """Answer uvicorn's startup at once; start the real app's lifespan once it is built and end
+        it at shutdown."""
+        import asyncio
+
+        message = await receive()
+        assert message["type"] == "lifespan.startup"
+        inbox: asyncio.Queue = asyncio.Queue()
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def real_lifespan() -> None:
+            app = await self._real_app()
+            await inbox.put({"type": "lifespan.startup"})
+            await app(scope, inbox.get, outbox.put)
+
+        task = asyncio.ensure_future(real_lifespan())
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        if self._app is not None and not task.done():
+            await inbox.put({"type": "lifespan.shutdown"})
+            try:  # the real lifespan returns once its shutdown is done
+                await asyncio.wait_for(task, timeout=30)
+            except Exception:  # noqa: BLE001 - a failing shutdown step must not stop the others
+                log.exception("the API's shutdown failed")
+        task.cancel()
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+def booting_app() -> BootingApp:
+    """The uvicorn factory `memfit serve` runs (``service.cli.embedded:booting_app``)."""
+    return BootingApp()
+
+
+class WakeSchedulerOnPost:
+    """ASGI wrapper: once a job is created or resumed here, the scheduler in this process (if any)
+    runs its next tick now instead of at the end of its poll interval (service/scheduler/loop.py: wake)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.state = app.state  # where callers find the real app's settings and sessions
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not _WAKING.match(scope.get("path", "")):
+            return await self.app(scope, receive, send)
+        status = {}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+        if status.get("code", 500) < 300:
+            from service.scheduler.loop import wake
+
+            wake()
+
+
+_WAKING = re.compile(r"^/v1/fine_tuning/jobs(/[^/]+/resume)?$")

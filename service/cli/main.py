@@ -49,8 +49,11 @@ def serve(
             with_api_url,
         )
 
-        with background_scheduler(with_api_url(settings, host, port)):
-            uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers,
+        # The API first (it answers /healthz within seconds), then the local Ray head, in the background.
+        reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        with background_scheduler(with_api_url(settings, host, port), after_api=f"http://{reach}:{port}"):
+            # The booting app answers /healthz while the real one is built (service/cli/embedded.py).
+            uvicorn.run("service.cli.embedded:booting_app", factory=True, host=host, port=port, workers=workers,
                         log_level=log_level)
 
 

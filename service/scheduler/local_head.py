@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -73,6 +74,10 @@ class LocalRayHead:
     process: subprocess.Popen | None = None
     temp_dir: str | None = None
     ownership: Ownership | None = None
+    # stop() may come from another thread while start() waits for the node (`memfit serve` starts
+    # its head in the background): after it, start() starts nothing more and gives up.
+    _stopped: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def address(self) -> str:
@@ -82,14 +87,23 @@ class LocalRayHead:
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
+    @property
+    def logs_dir(self) -> Path | None:
+        """Where this head writes its logs, job drivers' (``job-driver-<submission id>.log``) included."""
+        return Path(self.temp_dir) / "session_latest" / "logs" if self.temp_dir else None
+
     def start(self, timeout_s: float = 180.0, *, attempts: int = 2) -> "LocalRayHead":
         ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
         if ray_bin is None:
             raise RuntimeError("the `ray` command is not installed; install memfit with the [train] extra")
-        # A short temp dir: Ray's unix socket paths must stay under 107 characters.
-        self.temp_dir = tempfile.mkdtemp(prefix="mfray-", dir="/tmp")
-        # Recorded before anything starts: a SIGKILL from here on leaves a record to clean up after.
-        self.ownership = Ownership(label=f"ray head {self.address}", temp_dir=self.temp_dir).in_record(self.record_dir)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the local Ray head was stopped while it started")
+            # A short temp dir: Ray's unix socket paths must stay under 107 characters.
+            self.temp_dir = tempfile.mkdtemp(prefix="mfray-", dir="/tmp")
+            # Recorded before anything starts: a SIGKILL from here on leaves a record to clean up after.
+            self.ownership = Ownership(label=f"ray head {self.address}",
+                                       temp_dir=self.temp_dir).in_record(self.record_dir)
         cmd = [
             ray_bin, "start", "--head", "--block", "--disable-usage-stats",
             f"--port={self.gcs_port}",
@@ -116,22 +130,27 @@ class LocalRayHead:
         env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
         log_path = self.log_path or Path(self.temp_dir) / "ray-start.log"
         try:
-            log = open(log_path, "ab")
-            try:
-                # start_new_session: `ray start` leads a session (and process group) of its own, out
-                # of reach of the terminal's Ctrl-C, and that session is part of what we own.
-                self.process = subprocess.Popen(
-                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            finally:
-                log.close()
-            self.ownership.session_pid = self.process.pid
-            self.ownership.session_started = process_started(self.process.pid)
-            self.ownership.save()
+            with self._lock:
+                if self._stopped:
+                    raise RuntimeError("the local Ray head was stopped while it started")
+                log = open(log_path, "ab")
+                try:
+                    # start_new_session: `ray start` leads a session (and process group) of its own, out
+                    # of reach of the terminal's Ctrl-C, and that session is part of what we own.
+                    self.process = process = subprocess.Popen(
+                        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                finally:
+                    log.close()
+                self.ownership.session_pid = process.pid
+                self.ownership.session_started = process_started(process.pid)
+                self.ownership.save()
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"ray head exited with code {self.process.returncode}: {_last_line(log_path)}")
+                if self._stopped:
+                    raise RuntimeError("the local Ray head was stopped while it started")
+                if process.poll() is not None:
+                    raise RuntimeError(f"ray head exited with code {process.returncode}: {_last_line(log_path)}")
                 # The dashboard answers before the raylet has registered the node; a job submitted
                 # then waits for minutes or fails, so "up" means the Jobs API answers AND a node is alive.
                 if self._node_alive():
@@ -139,14 +158,16 @@ class LocalRayHead:
                 time.sleep(0.5)
             raise RuntimeError(f"ray head at {self.dashboard_url} had no live node within {timeout_s:.0f} s")
         except RuntimeError as exc:
-            self.stop()
+            with self._lock:
+                self._stop(timeout_s=20.0)  # not stop(): that would also refuse the retry below
             # `ray start` gives the raylet a hard-coded 30 s to register with the GCS, too little on a
             # loaded machine ("The current node timed out during startup"): try once more, from scratch.
-            if attempts > 1 and "timed out during startup" in str(exc):
+            if attempts > 1 and "timed out during startup" in str(exc) and not self._stopped:
                 return self.start(timeout_s, attempts=attempts - 1)
             raise
         except BaseException:  # an exception or a signal while waiting: stop what started
-            self.stop()
+            with self._lock:
+                self._stop(timeout_s=20.0)
             raise
 
     def _node_alive(self) -> bool:
@@ -160,7 +181,13 @@ class LocalRayHead:
         return any(n.get("state") == "ALIVE" for n in nodes)
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the head we started and every process it forked, wherever Ray put it; nothing else."""
+        """Stop the head we started and every process it forked, wherever Ray put it; nothing else.
+        Safe from another thread while start() runs: it then starts nothing more."""
+        with self._lock:
+            self._stopped = True
+            self._stop(timeout_s)
+
+    def _stop(self, timeout_s: float) -> None:
         if self.process is not None:
             # SIGTERM to `ray start` and its daemons: `ray start` stops raylet, GCS, dashboard and agents
             # and the raylet its workers — but not the job drivers, which live in sessions of their own.

@@ -1,6 +1,7 @@
 """The scheduler: moves jobs from the Postgres queue onto a Ray cluster and keeps both views agreeing.
 
-One loop (``Scheduler.tick``, every ``settings.poll_seconds``) does, in order:
+One loop (``Scheduler.tick``, every ``settings.poll_seconds``, or at once when :func:`wake` is called
+after a job was created in this process) does, in order:
 
 1. **heartbeat** — renew the lease on every job this scheduler owns (``lease_owner = me``); ``run``
    also renews them from a thread of its own every quarter lease, so a slow tick does not let them
@@ -89,6 +90,7 @@ from service.scheduler.paths import (
 )
 from service.scheduler.ray_jobs import (
     RAY_ACTIVE,
+    LogCursor,
     RayJobs,
     RayUnavailable,
 )
@@ -123,6 +125,8 @@ class _Watch:
     pause_from_step: int | None = None
     pause_since: float | None = None
     logs_checked_at: float = 0.0
+    log: LogCursor = field(default_factory=LogCursor)
+    log_of: str | None = None  # the submission whose driver log ``log`` reads
     restarts_seen: int = 0
     missing_since: float | None = None  # Ray first answered "no such submission"
     missing_answers: int = 0
@@ -141,7 +145,8 @@ class Scheduler:
     pause_timeout_s: float = 120.0
     # A run that ended itself (result/failure posted) gets this long to exit before it is stopped.
     exit_grace_s: float = 30.0
-    # How often a running job's Ray log is scanned for Ray Train worker-group restarts.
+    # How often a running job's Ray log is scanned for Ray Train worker-group restarts: its new bytes
+    # where the driver log is a file on this host, else the whole log through the Jobs API, 5× less often.
     restart_check_s: float = 3.0
     extra_env: dict[str, str] = field(default_factory=dict)
     # How often the loop deletes Idempotency-Keys past their 24 h life.
@@ -172,9 +177,15 @@ class Scheduler:
                  self.settings.poll_seconds, self.settings.lease_seconds, self.ray.address)
         beats = threading.Thread(target=self._keep_leases, args=(stop,), name="memfit-heartbeat", daemon=True)
         beats.start()
-        while not stop.is_set():
-            self.tick()
-            stop.wait(self.settings.poll_seconds)
+        woken = threading.Event()
+        _WAKERS.add(woken)
+        try:
+            while not stop.is_set():
+                woken.clear()  # a wake() during the tick runs the next one at once
+                self.tick()
+                _wait(stop, woken, self.settings.poll_seconds)
+        finally:
+            _WAKERS.discard(woken)
         beats.join(self.settings.lease_seconds)
         try:
             self.release_all()
@@ -602,16 +613,19 @@ class Scheduler:
         callback also reports exceptions it sees, but a worker process that dies (SIGKILL, OOM
         killer) only shows up here."""
         now = time.monotonic()
-        if now - watch.logs_checked_at < self.restart_check_s:
+        every = self.restart_check_s if watch.log.from_file or watch.log.offset == 0 else 5 * self.restart_check_s
+        if now - watch.logs_checked_at < every:
             return
         watch.logs_checked_at = now
-        lines = [line for line in self.ray.log_tail(sid, 100_000) if "[FailurePolicy] RETRY" in line]
-        for n in range(watch.restarts_seen + 1, len(lines) + 1):
+        if watch.log_of != sid:
+            watch.log, watch.log_of, watch.restarts_seen = LogCursor(), sid, 0
+        found = sum(1 for line in self.ray.new_log_lines(sid, watch.log) if "[FailurePolicy] RETRY" in line)
+        for n in range(watch.restarts_seen + 1, watch.restarts_seen + found + 1):
             with self.sessions.begin() as s:
                 add_event(s, job_id, f"Ray Train restarted the worker group from its latest checkpoint (restart {n})",
                           level="warn", attempt=attempt, dedupe_key=f"raytrain-restart:{attempt}:{n}",
                           data={"restart": n, "attempt": attempt, "submission_id": sid})
-        watch.restarts_seen = max(watch.restarts_seen, len(lines))
+        watch.restarts_seen += found
 
     def _pause_point_reached(self, job_id: str, attempt: int, watch: _Watch) -> bool:
         with self.sessions() as s:
@@ -767,6 +781,25 @@ def _try(fn: Callable, *args, **kwargs):
 
 
 # --- running it ---------------------------------------------------------------------------------
+
+
+_WAKERS: set[threading.Event] = set()
+
+
+def wake() -> None:
+    """Run every scheduler loop of this process now rather than at the end of its poll interval: a
+    job was just created (or resumed) here — `memfit serve` and `memfit run` call this after such a
+    POST, so a new job is validated, claimed and submitted without waiting up to ``poll_seconds``."""
+    for woken in list(_WAKERS):
+        woken.set()
+
+
+def _wait(stop: threading.Event, woken: threading.Event, timeout_s: float) -> None:
+    """Until ``timeout_s`` has passed, the loop is woken, or it is stopped (checked every 0.25 s)."""
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+        if woken.wait(min(left, 0.25)):
+            return
 
 
 def start_in_thread(scheduler: Scheduler) -> tuple[threading.Thread, threading.Event]:

@@ -17,6 +17,7 @@ log = logging.getLogger("memfit.scheduler")
 
 RAY_ACTIVE = frozenset({"PENDING", "RUNNING"})
 RAY_TERMINAL = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
+CODE_EXCLUDES = ["__pycache__", "*.pyc"]
 
 
 # --- the Ray side -------------------------------------------------------------------------------
@@ -28,6 +29,24 @@ class RayStatus:
     message: str | None = None
     error_type: str | None = None
     driver_exit_code: int | None = None
+
+
+LOG_READ_MAX_BYTES = 4 << 20  # per poll: a chatty driver is caught up with over several polls
+
+
+@dataclass
+class LogCursor:
+    """How far one driver log has been read: a byte offset in its file, or a character offset in
+    the Jobs API's copy, and the line still being written at that point."""
+
+    offset: int = 0
+    partial: str = ""
+    from_file: bool = False
+
+    def feed(self, text: str) -> list[str]:
+        lines = (self.partial + text).split("\n")
+        self.partial = lines.pop()
+        return lines
 
 
 class RayUnavailable(RuntimeError):
@@ -45,6 +64,7 @@ class RayJobs:
         python: str | None = None,
         ship_code: bool | None = None,
         entrypoint_num_cpus: float = 0.1,
+        driver_log_dir: Path | None = None,
     ) -> None:
         if "://" not in address:
             address = "http://" + address
@@ -57,6 +77,9 @@ class RayJobs:
             ship_code = os.environ.get("MEMFIT_RAY_SHIP_CODE", "1") not in ("0", "false", "no")
         self.ship_code = ship_code
         self.entrypoint_num_cpus = entrypoint_num_cpus
+        # The head's log folder when it is on this host (a LocalRayHead): job driver logs are then
+        # read from their files by offset instead of downloaded whole through the Jobs API.
+        self.driver_log_dir = driver_log_dir
         self._client = None
         self._lock = threading.Lock()
         # The Jobs API client has no request timeout: each call — connecting included (the client
@@ -67,6 +90,8 @@ class RayJobs:
         self.call_timeout_s = float(os.environ.get("MEMFIT_RAY_CALL_TIMEOUT_S", "60"))
         self._pool = None
         self._pool_lock = threading.Lock()
+        self._packages: list[str] | None = None
+        self._packages_lock = threading.Lock()
 
     def _call(self, fn, *args, **kwargs):
         import concurrent.futures
@@ -95,21 +120,40 @@ class RayJobs:
     def runtime_env(self, env_vars: dict[str, str]) -> dict[str, Any]:
         env: dict[str, Any] = {"env_vars": env_vars}
         if self.ship_code:
-            import service
-            import workers
-
-            env["py_modules"] = [str(Path(service.__file__).parent), str(Path(workers.__file__).parent)]
-            env["excludes"] = ["__pycache__", "*.pyc"]
+            env["py_modules"] = self.code_packages()
         return env
+
+    def code_packages(self) -> list[str]:
+        """The ``gcs://_ray_pkg_<hash>.zip`` URIs of ``service/`` and ``workers/``, uploaded only when
+        the cluster lacks them. Left to the Jobs client, each submission zips and hashes both folders
+        again; here that is done once per scheduler process (its code does not change under it), and
+        a submission costs one existence check per package — which also re-uploads a package a
+        restarted head (without GCS fault tolerance) lost."""
+        # Not self._lock: a pool thread stuck connecting to a silent head may hold that one.
+        with self._packages_lock:
+            if self._packages is None:
+                self._packages = [_package_uri(p) for p in _code_dirs()]
+            packages = list(self._packages)
+        for uri, path in zip(packages, _code_dirs()):
+            self._ensure_package(uri, path)
+        return packages
+
+    def _ensure_package(self, uri: str, path: Path) -> None:
+        client = self.client
+        if client._package_exists(uri):  # the Jobs SDK's own check (GET /api/packages/gcs/<name>)
+            return
+        log.info("uploading %s as %s", path, uri)
+        client._upload_package(uri, str(path), include_gitignore=_include_gitignore(), include_parent_dir=True,
+                               excludes=CODE_EXCLUDES)
 
     def submit(self, sid: str, entrypoint: str, env_vars: dict[str, str], metadata: dict[str, str]) -> bool:
         """Submit once. Returns True when this call created it, False when it already existed."""
         try:
+            # The runtime_env too is made in the pool: its package check is a call to the head as well.
             self._call(
-                lambda **kw: self.client.submit_job(**kw),
+                lambda **kw: self.client.submit_job(runtime_env=self.runtime_env(env_vars), **kw),
                 entrypoint=entrypoint,
                 submission_id=sid,
-                runtime_env=self.runtime_env(env_vars),
                 entrypoint_num_cpus=self.entrypoint_num_cpus,
                 metadata=metadata,
             )
@@ -156,6 +200,31 @@ class RayJobs:
         except OSError as exc:
             raise RayUnavailable(str(exc)) from exc
 
+    def new_log_lines(self, sid: str, cursor: LogCursor) -> list[str]:
+        """The complete lines the driver log of ``sid`` gained since ``cursor`` (which moves on).
+        From the file where this host has it (only the new bytes are read); otherwise from the Jobs
+        API, which has no offset parameter: the log is downloaded whole and only its new part
+        scanned (the caller polls that less often). Best effort: [] when Ray does not answer."""
+        path = self.driver_log_dir / f"job-driver-{sid}.log" if self.driver_log_dir is not None else None
+        if cursor.from_file or (cursor.offset == 0 and path is not None and path.is_file()):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(cursor.offset)
+                    data = f.read(LOG_READ_MAX_BYTES)
+            except OSError:
+                return []
+            cursor.from_file = True
+            cursor.offset += len(data)
+            return cursor.feed(data.decode("utf-8", errors="replace"))
+        try:
+            text = self._call(lambda: self.client.get_job_logs(sid))
+        except Exception:  # noqa: BLE001 - logs are best effort
+            return []
+        if len(text) < cursor.offset:  # not the log we read before
+            cursor.offset, cursor.partial = 0, ""
+        new, cursor.offset = text[cursor.offset:], len(text)
+        return cursor.feed(new)
+
     def log_tail(self, sid: str, lines: int = 30) -> list[str]:
         try:
             text = self._call(lambda: self.client.get_job_logs(sid))
@@ -190,6 +259,28 @@ def _client_for(address: str):
             return JobSubmissionClient(address)
         finally:
             os.environ.update(hidden)
+
+
+def _code_dirs() -> list[Path]:
+    import service
+    import workers
+
+    return [Path(service.__file__).parent, Path(workers.__file__).parent]
+
+
+def _include_gitignore() -> bool:
+    # As the Jobs SDK decides it (ray.dashboard.modules.dashboard_sdk), so the hash is the one it would compute.
+    return os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+
+
+def _package_uri(path: Path) -> str:
+    """The content-addressed URI Ray gives a py_modules folder (a hash of every file it would zip)."""
+    # ray.job_submission first, the order the client's own import takes: another thread importing
+    # it meanwhile then makes this one wait, instead of finding packaging half-initialized.
+    import ray.job_submission  # noqa: F401
+    from ray._private.runtime_env.packaging import get_uri_for_directory
+
+    return get_uri_for_directory(str(path), _include_gitignore(), excludes=CODE_EXCLUDES)
 
 
 def _is_transient(exc: Exception) -> bool:
