@@ -50,7 +50,8 @@ def _free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))  # DeepSpeed reads them
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -273,6 +274,24 @@ def test_fsdp_resumed_from_a_sharded_checkpoint_repeats_the_uninterrupted_losses
         assert any(k.endswith("embed_tokens.weight") for k in saved)
         assert first[0]["artifacts"] == {"model": "model"} and first[1]["artifacts"] == {}
     resumed = _args(tmp_path, peft_method=peft, output_dir=str(tmp_path / "resumed"))
+    second = _train(resumed, 2, tmp_path, resume_dir=str(ckpt_dir))
+    want, got = _losses(first[0]), _losses(second[0])
+    assert sorted(got) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_each_rank_writes_its_own_partition_and_resumes(tmp_path, stage):
+    """DeepSpeed's own checkpoint: one optimizer-state file per rank (each rank reads back only its
+    own: ``elastic_checkpoint`` stays off), the module file from rank 0; resuming repeats the losses."""
+    args = _args(tmp_path, strategy="deepspeed", ds_stage=stage)
+    first = _train(args, 2, tmp_path)
+    ckpt_dir = Path(args.output_dir) / "checkpoints" / "step-3"
+    files = sorted(p.name for p in (ckpt_dir / "deepspeed" / "state").iterdir())
+    assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"], files
+    resumed = _args(tmp_path, strategy="deepspeed", ds_stage=stage, output_dir=str(tmp_path / "resumed"))
     second = _train(resumed, 2, tmp_path, resume_dir=str(ckpt_dir))
     want, got = _losses(first[0]), _losses(second[0])
     assert sorted(got) == [4, 5, 6]
