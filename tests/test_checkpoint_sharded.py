@@ -284,13 +284,16 @@ def test_fsdp_resumed_from_a_sharded_checkpoint_repeats_the_uninterrupted_losses
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_each_rank_writes_its_own_partition_and_resumes(tmp_path, stage):
     """DeepSpeed's own checkpoint: one optimizer-state file per rank (each rank reads back only its
-    own: ``elastic_checkpoint`` stays off), the module file from rank 0; resuming repeats the losses."""
+    own: ``elastic_checkpoint`` stays off), the module from rank 0 (ZeRO-2) or per rank (ZeRO-3);
+    resuming repeats the losses."""
     args = _args(tmp_path, strategy="deepspeed", ds_stage=stage)
     first = _train(args, 2, tmp_path)
     ckpt_dir = Path(args.output_dir) / "checkpoints" / "step-3"
     files = sorted(p.name for p in (ckpt_dir / "deepspeed" / "state").iterdir())
-    assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"], files
+    # ZeRO-2: every rank holds the whole 16-bit module, rank 0 writes it; ZeRO-3: each rank its partition.
+    module = (["mp_rank_00_model_states.pt"] if stage < 3
+              else [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)])
+    assert files == sorted(module + [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]), files
     resumed = _args(tmp_path, strategy="deepspeed", ds_stage=stage, output_dir=str(tmp_path / "resumed"))
     second = _train(resumed, 2, tmp_path, resume_dir=str(ckpt_dir))
     want, got = _losses(first[0]), _losses(second[0])
