@@ -2,8 +2,13 @@
 
 A checkpoint directory, as Ray Train merges it from every rank's report:
 - ``meta.json`` (rank 0): the optimizer step it was taken after, the strategy, tokens so far;
-- ``state.pt`` (rank 0, ddp/fsdp): model (or, for PEFT, only the trainable adapter), optimizer and
-  scheduler state — gathered to full tensors under FSDP2 so that a different world size can load it;
+- ``dcp/`` (every rank, fsdp): model (or, for PEFT, only the trainable adapter) and optimizer state
+  as a ``torch.distributed.checkpoint`` folder — each rank writes only its own shard
+  (``__<rank>_0.distcp``), rank 0 the ``.metadata`` that maps every tensor's pieces; each rank reads
+  back only the pieces of its shard, at any world size (DCP reshards by the global offsets);
+- ``scheduler.pt`` (rank 0, fsdp): the schedule's state;
+- ``state.pt`` (rank 0, ddp — and fsdp checkpoints made before ``dcp/``, still read): model,
+  optimizer and scheduler state as full tensors;
 - ``deepspeed/`` (every rank): DeepSpeed's own sharded checkpoint (engine.save_checkpoint);
 - ``rng-rank<r>.pt`` (every rank): that rank's RNG states.
 The data position is the step itself: the sampler is a pure function of the step (workers/data.py).
@@ -122,9 +127,71 @@ def full_model_state(model, trainable_only: bool) -> dict:
     return {k: v.detach().cpu() for k, v in sd.items()}
 
 
+SHARDED_DIR = "dcp"
+
+
 def save_torch_state(d: str, model, optimizer, scheduler, *, step: int, strategy: str, trained_tokens: int,
                      rank: int, trainable_only: bool) -> None:
-    """ddp/fsdp: every rank calls this (FSDP2 gathers collectively), rank 0 writes."""
+    """ddp/fsdp: every rank calls this. FSDP2: each rank writes its own shard (:func:`save_sharded_state`);
+    ddp: rank 0 writes the full state (every replica holds all of it anyway)."""
+    if _is_fsdp2(model):
+        save_sharded_state(d, model, optimizer, scheduler, rank=rank, trainable_only=trainable_only)
+    else:
+        save_full_state(d, model, optimizer, scheduler, rank=rank, trainable_only=trainable_only)
+    save_rng(d, rank)
+    write_meta(d, step, strategy, trained_tokens, rank)
+
+
+def load_torch_state(d: str, model, optimizer, scheduler, *, rank: int, trainable_only: bool) -> dict:
+    """The checkpoint's own format decides: ``dcp/`` (each rank reads its shard) or ``state.pt`` (every
+    rank reads the whole file and keeps its shard; ddp, and fsdp checkpoints made before ``dcp/``)."""
+    if Path(d, SHARDED_DIR, ".metadata").is_file():
+        load_sharded_state(d, model, optimizer, scheduler, trainable_only=trainable_only)
+    else:
+        load_full_state(d, model, optimizer, scheduler, trainable_only=trainable_only)
+    load_rng(d, rank)
+    return read_meta(d)
+
+
+def _sharded_options(trainable_only: bool, **kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # PEFT: the frozen base is the model's own (rebuilt from the base on resume): only the adapter.
+    return StateDictOptions(ignore_frozen_params=trainable_only, **kw)
+
+
+def save_sharded_state(d: str, model, optimizer, scheduler, *, rank: int, trainable_only: bool) -> None:
+    """FSDP2: model and optimizer state as DTensor shards through ``torch.distributed.checkpoint`` —
+    no gather, each rank writes only the bytes it holds, into its own ``d/dcp`` (Ray Train merges
+    every rank's folder into one checkpoint); rank 0 adds the ``.metadata`` and ``scheduler.pt``.
+    A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_sharded_options(trainable_only))
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(Path(d, SHARDED_DIR)))
+    if rank == 0:
+        torch.save({"scheduler": scheduler.state_dict()}, Path(d, "scheduler.pt"))
+
+
+def load_sharded_state(d: str, model, optimizer, scheduler, *, trainable_only: bool) -> None:
+    """FSDP2: each rank asks DCP for the pieces of its own shards (the templates are this run's
+    DTensors, so a different world size reads different pieces of the same files) and loads them in
+    place; the optimizer's states are created first (a zero-lr step) so there is a template for them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_sharded_options(trainable_only))
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(Path(d, SHARDED_DIR)))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_sharded_options(trainable_only, strict=not trainable_only))
+    scheduler.load_state_dict(torch.load(Path(d, "scheduler.pt"), weights_only=False)["scheduler"])
+
+
+def save_full_state(d: str, model, optimizer, scheduler, *, rank: int, trainable_only: bool) -> None:
+    """``state.pt``: the full state on rank 0 (gathered there under FSDP2 — host memory of the whole
+    model and optimizer on rank 0: the ddp format, and what fsdp wrote before ``dcp/``)."""
     if _is_fsdp2(model):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -138,12 +205,10 @@ def save_torch_state(d: str, model, optimizer, scheduler, *, step: int, strategy
         optim_sd = optimizer.state_dict()
     if rank == 0:
         torch.save({"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict()}, Path(d, "state.pt"))
-    save_rng(d, rank)
-    write_meta(d, step, strategy, trained_tokens, rank)
 
 
-def load_torch_state(d: str, model, optimizer, scheduler, *, rank: int, trainable_only: bool) -> dict:
-    """Every rank reads the full state (the storage is shared) and keeps its own shard of it."""
+def load_full_state(d: str, model, optimizer, scheduler, *, trainable_only: bool) -> None:
+    """``state.pt``: every rank reads the full state (the storage is shared) and keeps its own shard of it."""
     state = torch.load(Path(d, "state.pt"), map_location="cpu", weights_only=False)
     if _is_fsdp2(model):
         from torch.distributed.checkpoint.state_dict import (
@@ -159,8 +224,6 @@ def load_torch_state(d: str, model, optimizer, scheduler, *, rank: int, trainabl
             raise RuntimeError(f"checkpoint holds unknown keys: {unexpected[:5]}")
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    load_rng(d, rank)
-    return read_meta(d)
 
 
 # --- final artifacts ----------------------------------------------------------------------------
@@ -197,6 +260,109 @@ def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenize
         _publish_folder(out, "model", lambda d: (fresh.save_pretrained(d), tokenizer.save_pretrained(d)))
         artifacts["model"] = "model"
     return artifacts
+
+
+EXPORT_SHARD_BYTES = 1 << 30  # one safetensors file of the streamed export: the most rank 0 holds at once
+
+
+def export_model_streamed(args: TrainArgs, model, model_dir: str, tokenizer, rank: int,
+                          max_shard_bytes: int = EXPORT_SHARD_BYTES) -> dict[str, str]:
+    """FSDP2, full fine-tune: the ``model/`` folder gathered once and streamed to disk. Every rank
+    gathers one tensor at a time (``DTensor.full_tensor()``, a collective, in state-dict order);
+    rank 0 collects them into the next safetensors file and writes it when it reaches
+    ``max_shard_bytes``, so no process ever holds more than one file plus one tensor — not the model.
+    The files, their index and the config are what ``save_pretrained`` writes for the same weights
+    (fp32, tied weights once); ``from_pretrained`` loads the folder. A collective: every rank calls it."""
+    tensors = _export_tensors(model)
+    shards = _plan_shards(tensors, max_shard_bytes)
+
+    def gather_and_write(d: Path | None) -> None:
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(shards):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            shard: dict[str, torch.Tensor] = {}
+            for name in names:
+                full = _full_tensor(tensors[name])  # every rank: the all-gather of this one tensor
+                if d is not None:
+                    shard[name] = full
+                    weight_map[name] = fname
+                del full
+            if d is not None:
+                from safetensors.torch import save_file
+
+                save_file(shard, str(d / fname), metadata={"format": "pt"})
+            shard.clear()
+        if d is None:
+            return
+        if len(shards) > 1:
+            total = sum(_export_bytes(t) for t in tensors.values())
+            Path(d, "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        _write_model_config(model_dir, d)
+        tokenizer.save_pretrained(d)
+
+    if rank == 0:
+        _publish_folder(Path(args.output_dir), "model", gather_and_write)
+        return {"model": "model"}
+    gather_and_write(None)
+    return {}
+
+
+def _export_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's state dict as saved to Hugging Face files: DTensor shards (not gathered) and
+    replicated buffers under their FQNs; a tied weight (one Parameter under two names) once, under
+    its first name — the one ``save_pretrained`` keeps (``model.embed_tokens.weight``, not ``lm_head``)."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[name] = t
+    return out
+
+
+def _export_dtype(t: torch.Tensor) -> torch.dtype:
+    # The export holds fp32 floats, like the model export_artifacts rebuilds (load_model is fp32).
+    return torch.float32 if t.is_floating_point() else t.dtype
+
+
+def _export_bytes(t: torch.Tensor) -> int:
+    return t.numel() * torch.empty((), dtype=_export_dtype(t)).element_size()  # global numel for a DTensor
+
+
+def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Names per file, in order, each file at most ``max_shard_bytes`` (a larger tensor gets its own),
+    from the global shapes alone — so every rank knows the plan before gathering anything."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        b = _export_bytes(t)
+        if shards[-1] and size + b > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += b
+    return shards
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().to("cpu", dtype=_export_dtype(full)).contiguous()
+
+
+def _write_model_config(model_dir: str, d: Path) -> None:
+    """The base's config (and generation config) as the rebuilt fp32 model would save them."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.dtype = torch.float32
+    config.save_pretrained(d)
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # the base has none: derive it as save_pretrained does
+        generation = GenerationConfig.from_model_config(config)
+    generation.save_pretrained(d)
 
 
 def _publish_folder(out: Path, name: str, write: Callable[[Path], object]) -> Path:

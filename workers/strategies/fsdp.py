@@ -119,8 +119,11 @@ def train_fsdp(args: TrainArgs, env: WorkerEnv) -> dict:
                     input_tokens=input_tokens, memory=memory,
                     save_state=lambda d, step=step: save_state(d, step),
                     eval_fn=lambda: evaluate(model, s.val, args, env))
-    state = ckpt.full_model_state(model, trainable_only=args.is_peft)  # collective: every rank takes part
-    artifacts = ckpt.export_artifacts(args, state, s.model_dir, s.tokenizer) if env.rank == 0 else {}
+    if args.is_peft:  # the adapter is small: gather it whole, export it (and the merge) from the rebuilt base
+        state = ckpt.full_model_state(model, trainable_only=True)  # collective: every rank takes part
+        artifacts = ckpt.export_artifacts(args, state, s.model_dir, s.tokenizer) if env.rank == 0 else {}
+    else:  # the full model: gathered one tensor at a time and streamed to safetensors files by rank 0
+        artifacts = ckpt.export_model_streamed(args, model, s.model_dir, s.tokenizer, env.rank)
     barrier()
     report_result(args, env, progress, artifacts, s.total_steps)
     return artifacts
