@@ -83,7 +83,7 @@ def keys_create(tenant: str = typer.Option(..., "--tenant", help="Tenant name; c
 
 @keys_app.command("revoke")
 def keys_revoke(prefix: str = typer.Argument(..., help="The key's visible prefix, e.g. mf_live_Ab3dE9xQ.")) -> None:
-    """Revoke a key: requests with it get 401 from now on."""
+    """Revoke a key: requests with it get 401 within a second (a running API trusts a checked key for at most 1 s)."""
     from service.domain.errors import NotFound
     from service.store import auth
     from service.store.db import session_scope
