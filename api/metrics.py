@@ -33,7 +33,7 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 
 from service.jobs import metrics as service_metrics
-from service.store.models import Job, MemorySample
+from service.store.models import Job, SeriesHead
 
 router = APIRouter(tags=["ops"])
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -63,19 +63,18 @@ class StoreCollector:
             if first is not None and first.tzinfo is None:
                 first = first.replace(tzinfo=timezone.utc)
             oldest.add_metric([], (datetime.now(timezone.utc) - first).total_seconds() if first else 0.0)
-            measured = func.coalesce(
-                MemorySample.peak_bytes,
-                func.coalesce(MemorySample.parameters_bytes, 0) + func.coalesce(MemorySample.gradients_bytes, 0)
-                + func.coalesce(MemorySample.optimizer_bytes, 0) + func.coalesce(MemorySample.activations_bytes, 0)
-                + func.coalesce(MemorySample.temporary_bytes, 0) + func.coalesce(MemorySample.other_bytes, 0))
+            # The whole-run peaks ingest keeps per attempt and rank (service/jobs/series.py): one row per
+            # rank whatever the job's length, not a scan of its samples.
             rows = s.execute(
-                select(MemorySample.job_id, MemorySample.rank, func.max(measured))
-                .join(Job, (Job.id == MemorySample.job_id) & (Job.attempt == MemorySample.attempt))
-                .where(Job.status == JobStatus.running.value)
-                .group_by(MemorySample.job_id, MemorySample.rank)
+                select(SeriesHead.job_id, SeriesHead.rank, SeriesHead.peaks)
+                .join(Job, (Job.id == SeriesHead.job_id) & (Job.attempt == SeriesHead.attempt))
+                .where(Job.status == JobStatus.running.value, SeriesHead.series == "memory")
             ).all()
-            for job_id, rank, value in rows:
-                peak.add_metric([job_id, str(rank)], float(value or 0))
+            for job_id, rank, peaks in rows:
+                seen = (peaks or {}).get("any") or {}
+                # a traced step's measured peak; before one, the sum of the counted categories' maxima (a bound)
+                value = seen.get("total") or sum(v or 0 for c, v in seen.items() if c != "total")
+                peak.add_metric([job_id, str(rank)], float(value))
         yield from (by_status, depth, oldest, peak)
 
 
