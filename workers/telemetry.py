@@ -203,7 +203,7 @@ class StepTelemetry:
         self.model = model
         self.optimizer = optimizer
         self.every_steps = max(1, int(every_steps))
-        self.trace_every_steps = max(1, int(trace_every_steps))
+        self.trace_every_steps = max(0, int(trace_every_steps))  # 0: counters only, no trace (benchmarks)
         self.host_budget_bytes = host_budget_bytes
         # Strategies pass booleans or the spec's strings ("none" / "cpu"): only a real offload counts.
         self.offload = {k: v not in (None, False, "", "none") for k, v in (offload or {}).items()}
@@ -234,6 +234,8 @@ class StepTelemetry:
         return step % self.every_steps == 0 or self.is_traced(step)
 
     def is_traced(self, step: int) -> bool:
+        if not self.trace_every_steps:
+            return False
         return step == 3 or step % self.trace_every_steps == 0
 
     # -- loop hooks ------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from workers.steps import (
     distributed,
     enable_checkpointing,
     forward_loss_sum,
+    host_value,
     label_tokens,
     maybe_inject_failure,
 )
@@ -145,8 +146,9 @@ def finish_step(progress: Progress, step: int, *, loss, lr, grad_norm, step_time
     if not (due_ckpt or progress.due_metrics(step, memory)):
         return
     eval_loss = eval_fn() if due_ckpt else None
-    metrics = progress.metrics(step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=step_time_s,
-                               tokens=input_tokens, eval_loss=eval_loss, memory=memory)
+    # Only here, at the report cadence, are the step's device scalars read back (a GPU host sync).
+    metrics = progress.metrics(step, loss=host_value(loss), lr=lr, grad_norm=host_value(grad_norm),
+                               step_time_s=step_time_s, tokens=input_tokens, eval_loss=eval_loss, memory=memory)
     progress.report(metrics, save_state if due_ckpt else None)
 
 
