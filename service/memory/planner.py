@@ -201,13 +201,14 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     final += T * 8  # embedding indices
     if shape.family != "gpt2":
         final += 2 * s * shape.head_dim * regime.residual  # cast to the hidden states' dtype
-    Ts = b * (s - 1)  # shifted positions that carry a label
-    loss_saved = Ts * V * 4 + Ts * 8
+    # workers/steps.py token_loss_sum shifts the labels, not the logits: cross-entropy runs over all
+    # T positions (each row's last is ignored), on a contiguous view of the logits.
+    loss_saved = T * V * 4 + T * 8  # log-softmax output (fp32) and the int64 targets
     logits = T * V * (4 if regime.name == "fp32" else 2)
-    loss_copy = Ts * V * 4  # fp32: reshape of the non-contiguous slice copies; bf16: .float() copies
+    loss_copy = 0 if regime.name == "fp32" else T * V * 4  # fp32: a view; 16-bit logits: .float() copies
     ckpt_layer = T * h * res
     bwd_temp = 2 * T * i * a + 2 * T * h * 4
-    return Activations(layer, final, loss_saved, logits, loss_copy, 2 * Ts * V * 4, ckpt_layer, bwd_temp)
+    return Activations(layer, final, loss_saved, logits, loss_copy, 2 * T * V * 4, ckpt_layer, bwd_temp)
 
 
 # --- model states --------------------------------------------------------------------------------
