@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import errors, metrics
+from api import deps, errors, metrics
 from api.limits import MAX_JSON_BODY_BYTES, BodyLimit, HeaderLimit, RateLimit
 from api.routes import files, health, ingest, jobs, memory, pages, stream
 from service.settings import Settings, ensure_dirs, get_settings
@@ -50,6 +50,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.sessions = db.make_sessionmaker(engine)
     app.state.read_sessions = db.make_read_sessionmaker(engine)
+    app.state.read_engine = db.read_only(engine)
+    app.state.key_check = deps.KeyCheck(app.state.read_engine)
     app.state.known_gpus = _known_gpus()
     app.state.schema_head = db.head_revision()
     errors.install(app)
