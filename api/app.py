@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -27,6 +28,20 @@ def _known_gpus() -> set[str] | None:
     return set(known_gpus())
 
 
+_frozen = False
+
+
+def _freeze_startup_objects() -> None:
+    """Move what start-up built (modules, routes, schemas, validators: some 130,000 objects) out of the
+    garbage collector's sight: it would otherwise walk them all again on every full collection, for
+    objects that live as long as the process. Once per process (tests start many apps in one)."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.collect()
+        gc.freeze()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     ensure_dirs(settings)
@@ -37,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        _freeze_startup_objects()
         yield
         engine.dispose()
 

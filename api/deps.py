@@ -81,7 +81,7 @@ class KeyCheck:
 
     def __init__(self, engine, cache: KeyCache | None = None):
         self.engine = engine
-        self.cache = cache or KeyCache()
+        self.cache = cache if cache is not None else KeyCache()
         self._checks: dict[str, asyncio.Future[Principal]] = {}  # digest → the check in flight
 
     async def principal(self, authorization: str | None) -> Principal:
