@@ -6,12 +6,15 @@ Route handlers turn store rows into these with the ``*_public`` functions below;
 
 from __future__ import annotations
 
-import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
 from typing import Any, Generic, Literal, TypeVar
 
+import orjson
 from pydantic import BaseModel, Field
+from sqlalchemy import Row
 
 from service.domain.spec import JobSpec
 from service.jobs.crud import event_public_id
@@ -111,16 +114,61 @@ class JobPublic(BaseModel):
     memory: dict[str, Any] | None = Field(None, description="memfit: predicted and measured memory summary")
 
 
-@lru_cache(maxsize=2048)
-def _spec_view(job_id: str, spec_json: str) -> tuple[HyperparametersPublic, list | None, dict[str, Any]]:
-    """A job's spec never changes after create, so its resolved view is computed once per job."""
-    spec = JobSpec.model_validate_json(spec_json)
-    r = spec.resolved()
-    hp = HyperparametersPublic(
-        n_epochs=r.n_epochs, batch_size=r.global_batch_size, learning_rate_multiplier=r.learning_rate_multiplier
-    )
-    integrations = [i.model_dump(mode="json") for i in spec.integrations] if spec.integrations is not None else None
-    return hp, integrations, spec.training.model_dump(mode="json")
+@dataclass(frozen=True)
+class SpecView:
+    """What a job's public view takes from its spec, resolved ('auto' worked out), and the same
+    serialized once (``json``: hyperparameters, method, integrations, training)."""
+
+    hyperparameters: HyperparametersPublic
+    integrations: list[dict[str, Any]] | None
+    training: dict[str, Any]
+    json: dict[str, orjson.Fragment]
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> SpecView:
+        r = spec.resolved()
+        hp = HyperparametersPublic(
+            n_epochs=r.n_epochs, batch_size=r.global_batch_size, learning_rate_multiplier=r.learning_rate_multiplier
+        )
+        integrations = [i.model_dump(mode="json") for i in spec.integrations] if spec.integrations is not None else None
+        training = spec.training.model_dump(mode="json")
+        parts = {"hyperparameters": hp.model_dump(), "method": method_public(hp), "integrations": integrations,
+                 "training": training}
+        return cls(hp, integrations, training, {k: orjson.Fragment(orjson.dumps(v)) for k, v in parts.items()})
+
+
+class SpecViews:
+    """job id → SpecView for the most recently seen ``max_entries`` jobs. A job's spec never changes
+    after create, so its view is worked out once per process, and reads need not fetch the spec
+    again (service.jobs.crud.read_job's ``with_spec``). Thread-safe."""
+
+    def __init__(self, max_entries: int = 4096):
+        self.max_entries = max_entries
+        self._views: OrderedDict[str, SpecView] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._views
+
+    def get(self, job_id: str, spec: str | dict | None = None) -> SpecView | None:
+        """The job's view; worked out from ``spec`` (its JSON text or dict) when not known yet; None
+        when not known and no spec is given."""
+        with self._lock:
+            view = self._views.get(job_id)
+            if view is not None:
+                self._views.move_to_end(job_id)
+                return view
+        if spec is None:
+            return None
+        view = SpecView.of(JobSpec.model_validate_json(spec) if isinstance(spec, str) else JobSpec.model_validate(spec))
+        with self._lock:
+            self._views[job_id] = view
+            while len(self._views) > self.max_entries:
+                self._views.popitem(last=False)
+        return view
+
+
+SPEC_VIEWS = SpecViews()
 
 
 def method_public(hp: HyperparametersPublic) -> dict[str, Any]:
@@ -131,7 +179,7 @@ def method_public(hp: HyperparametersPublic) -> dict[str, Any]:
 
 
 def job_public(job: Job) -> JobPublic:
-    hp, integrations, training = _spec_view(job.id, json.dumps(job.spec, sort_keys=True))
+    view = SPEC_VIEWS.get(job.id, job.spec)
     memory = job.memory_summary
     if memory is None and job.plan is not None:
         memory = {"plan": job.plan}
@@ -149,17 +197,90 @@ def job_public(job: Job) -> JobPublic:
         seed=job.seed,
         suffix=job.suffix,
         trained_tokens=job.trained_tokens,
-        hyperparameters=hp,
-        method=method_public(hp),
+        hyperparameters=view.hyperparameters,
+        method=method_public(view.hyperparameters),
         metadata=job.metadata_,
-        integrations=integrations,
+        integrations=view.integrations,
         status=job.status,
         error=JobErrorPublic.model_validate(job.error) if job.error else None,
-        training=training,
+        training=view.training,
         attempt=job.attempt,
         desired_state=job.desired_state,
         memory=memory,
     )
+
+
+# --- GET job and the job list: a row of service.jobs.crud.JOB_ROW straight to JSON bytes ----------
+# One orjson pass builds the answer: the spec's parts are the view's fragments, the JSON columns the
+# database's own text. It is JobPublic's shape, key for key (tests/test_job_json.py holds it to
+# job_public on jobs of every status), so the OpenAPI document keeps JobPublic as the response model.
+
+
+def _json_text(text: str | None) -> orjson.Fragment | None:
+    """A JSON column's text as it goes into the answer; SQL NULL and JSON null are both null."""
+    return None if text is None or text == "null" else orjson.Fragment(text)
+
+
+def _error(text: str | None) -> dict[str, Any] | None:
+    error = orjson.loads(text) if text else None  # only failed jobs have one: parsed to get JobErrorPublic's keys
+    return JobErrorPublic.model_validate(error).model_dump(mode="json") if error else None
+
+
+def job_document(row: Row, view: SpecView) -> dict[str, Any]:
+    """The JobPublic document of a JOB_ROW row, for orjson to serialize."""
+    # Unpacked in JOB_ROW's order: a Row's attribute (or mapping) access costs several times as much,
+    # and this runs for every job listed.
+    (job_id, tenant_id, status, model, training_file, validation_file, suffix, seed, attempt, desired_state,
+     created_at, finished_at, estimated_finish, fine_tuned_model, trained_tokens, metadata_json, result_files_json,
+     error_json, memory_summary_json, plan_json, *_spec_json) = row
+    memory = _json_text(memory_summary_json)
+    if memory is None and _json_text(plan_json) is not None:
+        memory = orjson.Fragment('{"plan":' + plan_json + "}")
+    spec = view.json
+    return {
+        "id": job_id,
+        "object": "fine_tuning.job",
+        "created_at": ts(created_at),
+        "finished_at": ts(finished_at),
+        "estimated_finish": ts(estimated_finish),
+        "model": model,
+        "fine_tuned_model": fine_tuned_model,
+        "organization_id": tenant_id,
+        "training_file": training_file,
+        "validation_file": validation_file,
+        "result_files": _json_text(result_files_json) or _EMPTY_LIST,
+        "seed": seed,
+        "suffix": suffix,
+        "trained_tokens": trained_tokens,
+        "hyperparameters": spec["hyperparameters"],
+        "method": spec["method"],
+        "metadata": _json_text(metadata_json),
+        "integrations": spec["integrations"],
+        "status": status,
+        "error": _error(error_json),
+        "training": spec["training"],
+        "attempt": attempt,
+        "desired_state": desired_state,
+        "memory": memory,
+    }
+
+
+_EMPTY_LIST = orjson.Fragment(b"[]")
+
+
+def job_json(row: Row, view: SpecView) -> bytes:
+    return orjson.dumps(job_document(row, view))
+
+
+def jobs_page_json(rows: list[Row], views: list[SpecView], has_more: bool) -> bytes:
+    """ListPublic[JobPublic] of a page of JOB_ROW rows (``views`` in the same order)."""
+    return orjson.dumps({
+        "object": "list",
+        "data": [job_document(row, view) for row, view in zip(rows, views)],
+        "has_more": has_more,
+        "first_id": rows[0].id if rows else None,
+        "last_id": rows[-1].id if rows else None,
+    })
 
 
 def job_public_dict(job: Job) -> dict[str, Any]:

@@ -85,6 +85,16 @@ def create_app(settings=None):
         if record is not None:
             record["checkouts"] += 1
 
+    ping = engine.dialect.do_ping  # a stale-looking pooled connection's ping (service.store.db) is a round trip too
+
+    def counted_ping(dbapi_conn):
+        record = _current.get()
+        if record is not None:
+            record["sql"].append("(ping)")
+        return ping(dbapi_conn)
+
+    engine.dialect.do_ping = counted_ping
+
     @event.listens_for(engine.pool, "connect")
     def _connect(dbapi_conn, connection_record):
         record = _current.get()

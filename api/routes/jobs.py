@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Header, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
-from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
+from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep, read
 from api.errors import AUTHED, BY_ID, problems
 from api.schemas import (
+    SPEC_VIEWS,
     CheckpointPublic,
     EventPublic,
     JobPublic,
@@ -17,13 +18,23 @@ from api.schemas import (
     checkpoint_public,
     event_public,
     job_public,
+    job_json,
     job_public_dict,
+    jobs_page_json,
     page_public,
 )
 from service.domain.errors import UnprocessableEntity
 from service.jobs import crud as jobs
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+
+
+
+class JSONBytes(Response):
+    """An answer already serialized (api/schemas.py job_json): sent as it is, no second pass."""
+
+    media_type = "application/json"
+
 
 Limit = Annotated[int, Query(ge=1, le=jobs.MAX_LIMIT, description="Page size, 1 to 100.")]
 
@@ -57,23 +68,35 @@ def _metadata_filter(request: Request) -> dict[str, str]:
 
 
 @router.get("", response_model=ListPublic[JobPublic], responses=problems(*AUTHED))
-def list_jobs(
+async def list_jobs(
     request: Request,
-    session: ReadSessionDep,
     principal: PrincipalDep,
     after: str | None = None,
     limit: Limit = 20,
     status: str | None = None,
 ):
-    page = jobs.list_jobs(
-        session, principal, after=after, limit=limit, metadata=_metadata_filter(request), status=status
-    )
-    return page_public([job_public(j) for j in page], page.has_more)
+    metadata = _metadata_filter(request)
+
+    def page_json(conn) -> bytes:
+        page = jobs.read_jobs(conn, principal, after=after, limit=limit, metadata=metadata, status=status,
+                              specs_known=SPEC_VIEWS)
+        views = [SPEC_VIEWS.get(row.id, page.specs.get(row.id)) for row in page]
+        if None in views:  # forgotten since the read (more than SpecViews.max_entries jobs seen meanwhile)
+            specs = jobs.read_specs(conn, principal, [row.id for row, view in zip(page, views) if view is None])
+            views = [view or SPEC_VIEWS.get(row.id, specs[row.id]) for row, view in zip(page, views)]
+        return jobs_page_json(page, views, page.has_more)
+
+    return JSONBytes(await read(request, page_json))
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=problems(*BY_ID))
-def get_job(job_id: str, session: ReadSessionDep, principal: PrincipalDep):
-    return job_public(jobs.get_job(session, principal, job_id))
+async def get_job(job_id: str, request: Request, principal: PrincipalDep):
+    def job_bytes(conn) -> bytes:
+        view = SPEC_VIEWS.get(job_id)
+        row = jobs.read_job(conn, principal, job_id, with_spec=view is None)
+        return job_json(row, view or SPEC_VIEWS.get(row.id, row.spec_json))
+
+    return JSONBytes(await read(request, job_bytes))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=problems(401, 404, 409, 422, 429, 503))

@@ -13,9 +13,9 @@ import json
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Container, Iterable
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import Connection, Row, Text, bindparam, case, cast, delete, null, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from service.domain.errors import (
@@ -259,6 +259,94 @@ def list_jobs(
     if status:
         q = q.where(Job.status == status)
     return newest_first_page(session, q, Job, tenant_id=principal.tenant_id, after=after, limit=limit)
+
+
+# What GET job and the job list read: each job's row, without ORM objects (a read has no use for an
+# identity map), its JSON columns as the text the database holds — the API puts that text into its
+# answer as it is, so nothing is parsed and serialized again. The spec is read only when asked for:
+# it never changes after create, so the API keeps each job's view of it (api/schemas.py). The API
+# unpacks these rows by position (api/schemas.py job_document): a column added here goes there too.
+_jobs = Job.__table__.c
+JOB_ROW = (
+    _jobs.id, _jobs.tenant_id, _jobs.status, _jobs.model, _jobs.training_file, _jobs.validation_file,
+    _jobs.suffix, _jobs.seed, _jobs.attempt, _jobs.desired_state, _jobs.created_at, _jobs.finished_at,
+    _jobs.estimated_finish, _jobs.fine_tuned_model, _jobs.trained_tokens,
+    cast(_jobs.metadata, Text).label("metadata_json"),
+    cast(_jobs.result_files, Text).label("result_files_json"),
+    cast(_jobs.error, Text).label("error_json"),
+    cast(_jobs.memory_summary, Text).label("memory_summary_json"),
+    # the plan only where there is no summary (the view shows {"plan": …} then): it is the largest column
+    case((or_(_jobs.memory_summary.is_(None), cast(_jobs.memory_summary, Text) == "null"), cast(_jobs.plan, Text)),
+         else_=null()).label("plan_json"),
+)
+_SPEC = cast(_jobs.spec, Text).label("spec_json")
+# Built once, with bound parameters: SQLAlchemy computes a statement's cache key once per object, so a
+# statement built per request would pay for that (and for its construction) on every read.
+_cursor = Job.__table__.alias("cursor")
+_NEWEST_FIRST = (_jobs.created_at.desc(), _jobs.id.desc())
+_TENANT = _jobs.tenant_id == bindparam("tenant_id")
+_JOB_BY_ID = select(*JOB_ROW).where(_jobs.id == bindparam("job_id"), _TENANT)
+_READ_JOB = {True: _JOB_BY_ID.add_columns(_SPEC), False: _JOB_BY_ID.add_columns(null().label("spec_json"))}
+_AFTER_CURSOR = tuple_(_jobs.created_at, _jobs.id) < tuple_(
+    select(_cursor.c.created_at).where(_cursor.c.id == bindparam("after"), _cursor.c.tenant_id == bindparam("tenant_id"))
+    .scalar_subquery(), bindparam("after"))
+_PAGE = select(*JOB_ROW).where(_TENANT)
+_READ_PAGE = {False: _PAGE.order_by(*_NEWEST_FIRST).limit(bindparam("limit")),
+              True: _PAGE.where(_AFTER_CURSOR).order_by(*_NEWEST_FIRST).limit(bindparam("limit"))}
+_CURSOR_EXISTS = select(_jobs.id).where(_jobs.id == bindparam("after"), _TENANT)
+_SPECS = select(_jobs.id, _SPEC).where(_jobs.id.in_(bindparam("job_ids", expanding=True)), _TENANT)
+
+
+def read_job(conn: Connection, principal: Principal, job_id: str, *, with_spec: bool = True) -> Row:
+    """get_job for a read: the tenant's job as a JOB_ROW row (plus ``spec_json``, None unless
+    ``with_spec``) in one statement, or JobNotFound."""
+    row = None
+    if "\x00" not in job_id:
+        row = conn.execute(_READ_JOB[with_spec], {"job_id": job_id, "tenant_id": principal.tenant_id}).first()
+    if row is None:
+        raise JobNotFound(job_id)
+    return row
+
+
+def read_jobs(
+    conn: Connection,
+    principal: Principal,
+    *,
+    after: str | None = None,
+    limit: int = 20,
+    metadata: dict[str, str] | None = None,
+    status: str | None = None,
+    specs_known: Container[str] = (),
+) -> Page:
+    """list_jobs for a read: a page of JOB_ROW rows, newest first, in one statement. The page's
+    ``specs`` maps each listed id not in ``specs_known`` to its spec's text (one more statement, only
+    when there is such an id). An ``after`` cursor is compared inside the statement; only an empty
+    page looks for it (a second statement), to tell an unknown cursor (422) from the end of the list."""
+    params = {"tenant_id": principal.tenant_id, "limit": limit + 1, "after": after}
+    if not metadata and not status:
+        q = _READ_PAGE[bool(after)]
+    else:
+        q = _PAGE
+        for key, value in (metadata or {}).items():
+            q = q.where(_jobs.metadata[key].as_string() == value)
+        if status:
+            q = q.where(_jobs.status == status)
+        if after:
+            q = q.where(_AFTER_CURSOR)
+        q = q.order_by(*_NEWEST_FIRST).limit(bindparam("limit"))
+    rows = conn.execute(q, params).all()
+    if not rows and after and conn.execute(_CURSOR_EXISTS, params).first() is None:
+        raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
+    page = Page(rows[:limit], has_more=len(rows) > limit)
+    page.specs = read_specs(conn, principal, [r.id for r in page if r.id not in specs_known])
+    return page
+
+
+def read_specs(conn: Connection, principal: Principal, job_ids: list[str]) -> dict[str, str]:
+    """job id → its spec's JSON text, for those of ``job_ids`` that are the tenant's. One statement."""
+    if not job_ids:
+        return {}
+    return dict(conn.execute(_SPECS, {"job_ids": job_ids, "tenant_id": principal.tenant_id}).tuples().all())
 
 
 # --- user actions -----------------------------------------------------------------------------

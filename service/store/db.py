@@ -7,11 +7,13 @@ Postgres goes through psycopg 3. Schema changes only ever come from Alembic (:fu
 
 from __future__ import annotations
 
+import select
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import Engine, Select, create_engine, event, tuple_
+from sqlalchemy import Engine, Select, create_engine, event, exc, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.domain.errors import UnprocessableEntity
@@ -40,22 +42,68 @@ def make_engine(url: str, *, pool_size: int = 20, echo: bool = False) -> Engine:
             cur.close()
 
         return engine
-    # pool_pre_ping: a pooled connection is tested (a cheap round trip) each time it is checked out,
-    # and replaced when the server closed it. Without it, after a Postgres restart every idle
-    # connection in the pool is dead and the first request to draw each one fails; SQLAlchemy only
-    # learns the pool is stale from that failure. pool_recycle only bounds a connection's age.
-    return create_engine(url, echo=echo, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800,
-                         pool_pre_ping=True)
+    # A pooled connection may have been closed by the server while it sat in the pool (a Postgres
+    # restart or failover, an idle timeout). SQLAlchemy's pool_pre_ping would find out with a
+    # round trip on every checkout: a second round trip for a GET that needs one. Instead a checkout
+    # asks the socket, which costs no round trip: a server that ends a session sends its goodbye and
+    # closes the socket, so a stale connection is one with something to read (only then, and after
+    # PING_IDLE_S in the pool, is it pinged; a failed ping swaps it for a new one). A connection that
+    # dies while in use invalidates the whole pool (SQLAlchemy's own handling of a disconnect), so
+    # the other stale ones are not handed out either. LIFO keeps the busy few warm.
+    engine = create_engine(url, echo=echo, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800,
+                           pool_use_lifo=True)
+    watch_stale_connections(engine)
+    return engine
+
+
+PING_IDLE_S = 30.0  # a connection idle this long in the pool is pinged on checkout all the same
+
+
+def watch_stale_connections(engine: Engine) -> None:
+    """Listeners on ``engine``'s pool (see make_engine): stamp a connection when it is checked in,
+    and on checkout refuse one the server has closed (``DisconnectionError``: the pool drops it and
+    connects anew) or that fails a ping when it looks stale or sat idle PING_IDLE_S."""
+    pool = engine.pool
+
+    @event.listens_for(pool, "checkin")
+    def _idle_since(dbapi_conn, record):
+        if record is not None:
+            record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(pool, "checkout")
+    def _alive(dbapi_conn, record, proxy):
+        idle_since = record.info.pop("idle_since", None)
+        if idle_since is None:  # fresh from connect: nothing to check
+            return
+        driver = record.driver_connection
+        if getattr(driver, "closed", False):
+            raise exc.DisconnectionError("connection closed")
+        try:
+            readable = bool(select.select([driver.fileno()], [], [], 0)[0])
+        except (OSError, ValueError):
+            raise exc.DisconnectionError("connection socket unusable") from None
+        if readable or time.monotonic() - idle_since > PING_IDLE_S:
+            try:
+                ok = engine.dialect.do_ping(dbapi_conn)
+            except engine.dialect.loaded_dbapi.Error:
+                ok = False
+            if not ok:
+                raise exc.DisconnectionError("connection failed its ping")
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
+def read_only(engine: Engine) -> Engine:
+    """``engine`` in autocommit: a read costs its SELECTs and no BEGIN/ROLLBACK round trips (the same
+    pool). Never use it for writes that must be atomic."""
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
+
+
 def make_read_sessionmaker(engine: Engine) -> sessionmaker[Session]:
-    """Sessions for read-only requests: autocommit, so a GET costs its SELECTs and no BEGIN/ROLLBACK
-    round trips. Never use them for writes that must be atomic."""
-    return sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False)
+    """Sessions for read-only requests, on :func:`read_only`."""
+    return sessionmaker(read_only(engine), expire_on_commit=False)
 
 
 @contextmanager

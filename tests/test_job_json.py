@@ -1,0 +1,174 @@
+"""GET job and the job list build their answer in one pass from the row (api/schemas.py job_json,
+jobs_page_json; service.jobs.crud read_job, read_jobs): held here to JobPublic's own rendering
+(api.schemas.job_public, which the create and action routes answer with) on jobs in every shape a
+job's row can take — every status, an error, a memory summary, a plan without one, SQL NULL and JSON
+null in the JSON columns, result files, metadata, 'auto' and explicit hyperparameters, integrations —
+and counted: one statement per request once the key is known, on Postgres and on SQLite."""
+
+from __future__ import annotations
+
+import contextvars
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import event, null, update
+
+from api.schemas import SPEC_VIEWS, job_public
+from service.domain.states import JobStatus
+from service.store.db import session_scope
+from service.store.models import Job, utcnow
+from tests.factories import upload
+
+JOBS = "/v1/fine_tuning/jobs"
+
+# Each: the row's fields after create (set in the database directly, as the scheduler and ingest would).
+SHAPES = {
+    "queued": {"status": JobStatus.queued.value},
+    "running": {"status": JobStatus.running.value, "attempt": 1, "estimated_finish": "soon",
+                "memory_summary": {"measured": {"peak_bytes": 123456789, "ranks": [0, 1]}, "ratio": 0.97}},
+    "succeeded": {"status": JobStatus.succeeded.value, "attempt": 2, "finished_at": "now",
+                  "fine_tuned_model": "ft:tiny:acme:abc", "trained_tokens": 4096,
+                  "result_files": ["file-result1", "file-result2"]},
+    "failed": {"status": JobStatus.failed.value, "attempt": 1, "finished_at": "now",
+               "error": {"code": "oom", "message": "CUDA out of memory", "rank": 1, "step": 7, "phase": "backward",
+                         "details": {"where": {"activations_bytes": 1}}, "unknown_extra": "dropped"}},
+    "cancelled, pause pending": {"status": JobStatus.cancelled.value, "desired_state": "cancel", "finished_at": "now"},
+    "paused": {"status": JobStatus.paused.value, "desired_state": None},
+    "plan, no summary (SQL NULL)": {"memory_summary": null()},
+    "plan, no summary (JSON null)": {"memory_summary": None},
+    "neither plan nor summary": {"memory_summary": null(), "plan": null()},
+    "empty error, JSON null result files": {"error": {}, "result_files": None},
+}
+
+
+def _set(s, job_id: str, fields: dict) -> None:
+    now = utcnow()
+    values = {k: (now + timedelta(hours=1) if v == "soon" else now if v == "now" else v) for k, v in fields.items()}
+    s.execute(update(Job).where(Job.id == job_id).values(**values))
+
+
+@pytest.fixture
+def jobs_of_every_shape(client, api_app, make_tenant):
+    tenant = make_tenant()
+    file_id = upload(client, tenant.key)
+    made = {}
+    bodies = [
+        {},
+        {"suffix": "sfx", "metadata": {"team": "nlp", "ünïcode": "✓"}, "seed": 7},
+        {"hyperparameters": {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 0.5}},
+        {"integrations": [{"type": "wandb", "wandb": {"project": "p", "tags": ["a"]}}],
+         "training": {"peft": {"method": "lora"}}},
+    ]
+    for i, (name, fields) in enumerate(SHAPES.items()):
+        r = client.post(JOBS, headers=tenant.headers, json={"model": "preset:tiny-llama", "training_file": file_id,
+                                                            **bodies[i % len(bodies)]})
+        assert r.status_code == 200, r.text
+        made[name] = r.json()["id"]
+        with session_scope(api_app.state.sessions) as s:
+            _set(s, made[name], fields)
+    return tenant, made
+
+
+def expected(api_app, job_id: str) -> dict:
+    with api_app.state.sessions() as s:
+        return job_public(s.get(Job, job_id)).model_dump(mode="json")
+
+
+def test_get_job_answers_exactly_what_job_public_renders_for_every_shape(client, api_app, jobs_of_every_shape):
+    tenant, made = jobs_of_every_shape
+    for name, job_id in made.items():
+        for fresh in (True, False):  # the spec read from the row, then the view kept from the first read
+            if fresh:
+                SPEC_VIEWS._views.pop(job_id, None)
+            r = client.get(f"{JOBS}/{job_id}", headers=tenant.headers)
+            assert r.status_code == 200, r.text
+            assert r.headers["content-type"] == "application/json"
+            assert (name, r.json()) == (name, expected(api_app, job_id))
+    failed = client.get(f"{JOBS}/{made['failed']}", headers=tenant.headers).json()
+    assert failed["error"] == {"code": "oom", "message": "CUDA out of memory", "param": None, "rank": 1, "step": 7,
+                               "phase": "backward", "details": {"where": {"activations_bytes": 1}}}
+    assert client.get(f"{JOBS}/{made['plan, no summary (JSON null)']}", headers=tenant.headers).json()["memory"].keys() == {"plan"}
+    assert client.get(f"{JOBS}/{made['neither plan nor summary']}", headers=tenant.headers).json()["memory"] is None
+
+
+def test_the_list_answers_what_job_public_renders_page_by_page(client, api_app, jobs_of_every_shape):
+    tenant, made = jobs_of_every_shape
+    for job_id in list(made.values())[::2]:
+        SPEC_VIEWS._views.pop(job_id, None)  # half the page's specs read with it, half kept from before
+    pages, after = [], None
+    while True:
+        r = client.get(JOBS, headers=tenant.headers, params={"limit": 3, **({"after": after} if after else {})})
+        assert r.status_code == 200, r.text
+        page = r.json()
+        pages.append(page)
+        assert page["object"] == "list" and len(page["data"]) <= 3
+        assert page["first_id"] == page["data"][0]["id"] and page["last_id"] == page["data"][-1]["id"]
+        assert page["data"] == [expected(api_app, j["id"]) for j in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    listed = [j["id"] for p in pages for j in p["data"]]
+    assert sorted(listed) == sorted(made.values()) and len(listed) == len(set(listed))
+    assert listed == [j["id"] for j in client.get(JOBS, headers=tenant.headers, params={"limit": 100}).json()["data"]]
+    # filters build their statement per request; the answer is the same shape
+    running = client.get(JOBS, headers=tenant.headers, params={"status": "running"}).json()["data"]
+    assert [j["id"] for j in running] == [made["running"]] and running[0] == expected(api_app, made["running"])
+    tagged = client.get(JOBS, headers=tenant.headers, params={"metadata[team]": "nlp"}).json()["data"]
+    assert tagged and all(j["metadata"]["team"] == "nlp" for j in tagged)
+    end = client.get(JOBS, headers=tenant.headers, params={"after": listed[-1]}).json()
+    assert end["data"] == [] and end["has_more"] is False and end["first_id"] is None
+
+
+def test_an_unknown_or_another_tenants_cursor_is_422_even_on_an_empty_page(client, make_tenant, jobs_of_every_shape):
+    tenant, made = jobs_of_every_shape
+    other = make_tenant()
+    for headers, cursor in ((tenant.headers, "ftjob-nope"), (other.headers, made["queued"])):
+        r = client.get(JOBS, headers=headers, params={"after": cursor})
+        assert r.status_code == 422 and r.json()["code"] == "invalid_cursor", r.text
+
+
+_statements: contextvars.ContextVar[list | None] = contextvars.ContextVar("statements", default=None)
+
+
+@pytest.fixture
+def count_statements(api_app):
+    """``with count_statements() as sql:`` the statements the app's engine sends meanwhile (their text)."""
+    import contextlib
+
+    engine = api_app.state.engine
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        seen.append(statement)
+
+    @contextlib.contextmanager
+    def counting():
+        seen.clear()
+        event.listen(engine, "before_cursor_execute", record)
+        try:
+            yield seen
+        finally:
+            event.remove(engine, "before_cursor_execute", record)
+
+    return counting
+
+
+def test_a_get_or_a_page_costs_one_statement_once_the_key_and_the_jobs_are_known(client, count_statements,
+                                                                                 jobs_of_every_shape):
+    tenant, made = jobs_of_every_shape
+    job = f"{JOBS}/{made['succeeded']}"
+    assert client.get(job, headers=tenant.headers).status_code == 200  # the key checked, the job's view kept
+    assert client.get(JOBS, headers=tenant.headers).status_code == 200
+    with count_statements() as sql:
+        assert client.get(job, headers=tenant.headers).status_code == 200
+    assert len(sql) == 1 and "FROM jobs" in sql[0] and "api_keys" not in sql[0], sql
+    with count_statements() as sql:
+        page = client.get(JOBS, headers=tenant.headers, params={"limit": 20}).json()
+    assert len(page["data"]) == len(made) and len(sql) == 1, sql
+    with count_statements() as sql:
+        assert client.get(JOBS, headers=tenant.headers, params={"limit": 3, "after": page["data"][2]["id"]}).status_code == 200
+    assert len(sql) == 1, sql
+    SPEC_VIEWS._views.pop(made["queued"], None)
+    with count_statements() as sql:
+        assert client.get(JOBS, headers=tenant.headers).status_code == 200
+    assert len(sql) == 2 and "IN" in sql[1], sql  # one job's spec not known: read with a second statement
