@@ -63,8 +63,11 @@ def test_accumulation_gives_the_same_update_as_one_big_batch():
     opt_a, opt_b = make_optimizer(a, 1e-2, 0.0), make_optimizer(b, 1e-2, 0.0)
     opt_a.step()
     opt_b.step()
+    # AdamW's first update is lr · g / (|g| + eps): where |g| is near eps (1e-8) a float-rounding
+    # difference in g moves the update by a sizeable part of lr, so compare where |g| is well above it.
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6, msg=name)
+        clear = pa.grad.abs() > 1e-5
+        torch.testing.assert_close(pa[clear], pb[clear], rtol=1e-5, atol=1e-6, msg=name)
 
     # What a wrong scaling (mean per micro-batch, then averaged) would give: measurably different.
     c = copy.deepcopy(b)
