@@ -11,7 +11,7 @@ from api import deps, errors, metrics
 from api.limits import MAX_JSON_BODY_BYTES, BodyLimit, HeaderLimit, RateLimit
 from api.routes import files, health, ingest, jobs, memory, pages, stream
 from service.settings import Settings, ensure_dirs, get_settings
-from service.store import db
+from service.store import db, reads
 
 __all__ = ["MAX_JSON_BODY_BYTES", "BodyLimit", "create_app"]  # tests and bench/whatif_app.py import these from here
 
@@ -53,8 +53,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         _freeze_startup_objects()
-        yield
-        engine.dispose()
+        await app.state.reads.open()  # GET job and the job list on the event loop (Postgres)
+        try:
+            yield
+        finally:
+            await app.state.reads.close()
+            engine.dispose()
 
     app = FastAPI(
         title="memfit",
@@ -68,6 +72,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.read_sessions = db.make_read_sessionmaker(engine)
     app.state.read_engine = db.read_only(engine)
     app.state.key_check = deps.KeyCheck(app.state.read_engine)
+    app.state.reads = reads.Reads(app.state.read_engine)
     app.state.known_gpus = _known_gpus()
     app.state.schema_head = db.head_revision()
     errors.install(app)

@@ -3,7 +3,7 @@
 ``SessionDep`` is a transactional session for requests that write (the service function commits);
 ``ReadSessionDep`` an autocommit one for GETs. Creating and closing a session does no I/O once its
 work is committed, so these are async and cost no thread-pool hop. The hottest GETs skip the
-session: :func:`read` runs a service function on a read-only connection, one pool checkout.
+session: they read through ``app.state.reads`` (service/store/reads.py), on the event loop.
 
 ``PrincipalDep`` authenticates the ``Authorization: Bearer`` key through the app's :class:`KeyCheck`:
 a key found valid within the last ``KEY_TRUST_S`` (service/store/auth.py) is answered from memory,
@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, AsyncIterator, Callable, TypeVar
+from typing import Annotated, AsyncIterator
 
 from fastapi import Depends, Request, Security
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPBearer
-from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from service.domain.errors import Unauthorized
 from service.settings import Settings
 from service.store.auth import KeyCache, Principal, bearer_key, check_key, hash_key
-
-T = TypeVar("T")
 
 _bearer = HTTPBearer(auto_error=False, description="An API key from `memfit keys create --tenant NAME`.")
 
@@ -54,20 +51,6 @@ async def get_settings(request: Request) -> Settings:
 SessionDep = Annotated[Session, Depends(get_session)]
 ReadSessionDep = Annotated[Session, Depends(get_read_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-
-
-async def read(request: Request, fn: Callable[[Connection], T]) -> T:
-    """``fn(connection)`` on a read-only (autocommit) connection in a worker thread: one pool checkout,
-    each statement ``fn`` runs one round trip (no BEGIN, no ROLLBACK, no ping). ``fn`` also renders
-    the answer, so the request crosses to the thread pool once. (SQLAlchemy's asyncio engine instead of
-    the thread: measured slower here, its greenlet bridge costing more than the hop it saves.)"""
-    engine = request.app.state.read_engine
-
-    def run() -> T:
-        with engine.connect() as conn:
-            return fn(conn)
-
-    return await run_in_threadpool(run)
 
 
 class KeyCheck:

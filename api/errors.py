@@ -38,11 +38,11 @@ from pydantic import BaseModel, Field
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.domain.errors import DomainError
+from service.domain.errors import DatabaseUnavailable, DomainError
 
 log = logging.getLogger("memfit.api")
 PROBLEM_BASE = "https://memfit.dev/problems/"
-DATABASE_RETRY_AFTER_S = 2  # a restart of Postgres takes about this long
+DATABASE_RETRY_AFTER_S = DatabaseUnavailable.RETRY_AFTER_S
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                 422: "invalid_request_error", 429: "rate_limit_error"}
@@ -139,6 +139,8 @@ def problem_response(
 
 
 async def _domain(request: Request, exc: DomainError) -> JSONResponse:
+    if isinstance(exc, DatabaseUnavailable):
+        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc.__cause__ or exc)
     return problem_response(
         request, status=exc.status, code=exc.code, title=exc.title, detail=exc.message, param=exc.param,
         errors=exc.errors, openai_type=exc.openai_type, headers=exc.headers, retryable=exc.retryable,

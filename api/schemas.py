@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import Row
 
 from service.domain.spec import JobSpec
-from service.jobs.crud import event_public_id
+from service.jobs.crud import JOB_ROW, event_public_id
 from service.store.models import Checkpoint, File, Job, JobEvent
 
 T = TypeVar("T")
@@ -268,15 +268,44 @@ def job_document(row: Row, view: SpecView) -> dict[str, Any]:
 _EMPTY_LIST = orjson.Fragment(b"[]")
 
 
+class RenderedJobs:
+    """job id → its last answer: the JOB_ROW fields it was rendered from, the view, and the bytes.
+    A read whose row and view are the ones last rendered for that job answers the same bytes without
+    building the document again (most of a list page's cost: a page lists mostly jobs whose row has
+    not changed since the last poll). Every field the document is made of is compared, so a changed
+    row always renders anew. For the ``max_entries`` most recently rendered jobs; used on the event
+    loop only (the GET and list routes)."""
+
+    def __init__(self, max_entries: int = 4096):
+        self.max_entries = max_entries
+        self._docs: OrderedDict[str, tuple[tuple, SpecView, bytes]] = OrderedDict()
+
+    def render(self, row: Row, view: SpecView) -> bytes:
+        fields = tuple(row[:JOB_FIELDS])  # not spec_json: the view stands for the spec
+        hit = self._docs.get(fields[0])
+        if hit is not None and hit[1] is view and hit[0] == fields:
+            return hit[2]
+        data = orjson.dumps(job_document(row, view))
+        self._docs[fields[0]] = (fields, view, data)
+        self._docs.move_to_end(fields[0])
+        while len(self._docs) > self.max_entries:
+            self._docs.popitem(last=False)
+        return data
+
+
+JOB_FIELDS = len(JOB_ROW)  # the columns job_document unpacks; spec_json may follow
+RENDERED_JOBS = RenderedJobs()
+
+
 def job_json(row: Row, view: SpecView) -> bytes:
-    return orjson.dumps(job_document(row, view))
+    return RENDERED_JOBS.render(row, view)
 
 
 def jobs_page_json(rows: list[Row], views: list[SpecView], has_more: bool) -> bytes:
     """ListPublic[JobPublic] of a page of JOB_ROW rows (``views`` in the same order)."""
     return orjson.dumps({
         "object": "list",
-        "data": [job_document(row, view) for row, view in zip(rows, views)],
+        "data": [orjson.Fragment(RENDERED_JOBS.render(row, view)) for row, view in zip(rows, views)],
         "has_more": has_more,
         "first_id": rows[0].id if rows else None,
         "last_id": rows[-1].id if rows else None,

@@ -2,7 +2,8 @@
 
     uvicorn --factory bench.counted_app:create_app      (memfit's MEMFIT_* settings)
 
-The real ``api.app.create_app`` with SQLAlchemy event listeners on its engine: every statement
+The real ``api.app.create_app`` with SQLAlchemy event listeners on its engine (and an observer on
+its event-loop reads, service/store/reads.py): every statement
 sent (``before_cursor_execute``), every connection taken from the pool (``checkout``) and every
 new database connection opened (``connect``) is recorded against the request that caused it, and
 an outermost ASGI middleware answers them in headers: ``X-Bench-Statements``,
@@ -100,6 +101,16 @@ def create_app(settings=None):
         record = _current.get()
         if record is not None:
             record["connects"] += 1
+
+    def _read_on_loop(kind, sql):  # service/store/reads.py: the reads that skip the engine
+        record = _current.get()
+        if record is not None:
+            if kind == "statement":
+                record["sql"].append(sql)
+            else:
+                record[kind + "s"] += 1
+
+    app.state.reads.observers.append(_read_on_loop)
 
     app.add_middleware(CountPerRequest)  # added last: the outermost layer
     return app

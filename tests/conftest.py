@@ -172,7 +172,8 @@ def api_app(api_settings):
 def client(api_app):
     from starlette.testclient import TestClient
 
-    return TestClient(api_app)
+    with TestClient(api_app) as client:  # the app's lifespan runs: on Postgres, reads on the event loop
+        yield client
 
 
 @pytest.fixture

@@ -119,6 +119,27 @@ def test_the_list_answers_what_job_public_renders_page_by_page(client, api_app, 
     assert end["data"] == [] and end["has_more"] is False and end["first_id"] is None
 
 
+def test_a_row_that_changed_since_its_last_answer_is_rendered_anew(client, api_app, jobs_of_every_shape):
+    """GET and the list answer a job's last bytes again only while every field they were made of is
+    unchanged (api/schemas.py RenderedJobs): each column the scheduler or ingest writes shows at once."""
+    tenant, made = jobs_of_every_shape
+    job_id = made["running"]
+    path = f"{JOBS}/{job_id}"
+    before = client.get(path, headers=tenant.headers).json()
+    assert client.get(path, headers=tenant.headers).json() == before  # answered from what was rendered
+    changes = [{"trained_tokens": 999}, {"status": JobStatus.succeeded.value, "finished_at": "now"},
+               {"memory_summary": {"measured": {"peak_bytes": 1, "ranks": [0]}, "ratio": 1.5}},
+               {"metadata_": {"team": "changed"}}, {"error": {"code": "oom", "message": "late"}}]
+    for change in changes:
+        with session_scope(api_app.state.sessions) as s:
+            _set(s, job_id, change)
+        got = client.get(path, headers=tenant.headers).json()
+        assert got == expected(api_app, job_id) and got != before, change
+        listed = client.get(JOBS, headers=tenant.headers, params={"limit": 100}).json()["data"]
+        assert next(j for j in listed if j["id"] == job_id) == got, change
+        before = got
+
+
 def test_an_unknown_or_another_tenants_cursor_is_422_even_on_an_empty_page(client, make_tenant, jobs_of_every_shape):
     tenant, made = jobs_of_every_shape
     other = make_tenant()
@@ -136,19 +157,26 @@ def count_statements(api_app):
     import contextlib
 
     engine = api_app.state.engine
+    observers = api_app.state.reads.observers  # the event-loop reads (Postgres, once the app has started)
     seen: list[str] = []
 
     def record(conn, cursor, statement, parameters, context, executemany):
         seen.append(statement)
 
+    def observe(kind, sql):
+        if kind == "statement":
+            seen.append(sql)
+
     @contextlib.contextmanager
     def counting():
         seen.clear()
         event.listen(engine, "before_cursor_execute", record)
+        observers.append(observe)
         try:
             yield seen
         finally:
             event.remove(engine, "before_cursor_execute", record)
+            observers.remove(observe)
 
     return counting
 
@@ -172,3 +200,31 @@ def test_a_get_or_a_page_costs_one_statement_once_the_key_and_the_jobs_are_known
     with count_statements() as sql:
         assert client.get(JOBS, headers=tenant.headers).status_code == 200
     assert len(sql) == 2 and "IN" in sql[1], sql  # one job's spec not known: read with a second statement
+
+
+def test_on_postgres_the_get_and_the_page_are_read_on_the_event_loop(client, api_app, jobs_of_every_shape):
+    """service/store/reads.py: on Postgres, once the app has started, GET job and the list go to psycopg
+    on the event loop (no worker thread, no engine); SQLite reads through the engine in a thread."""
+    tenant, made = jobs_of_every_shape
+    job = f"{JOBS}/{made['succeeded']}"
+    assert client.get(job, headers=tenant.headers).status_code == 200
+    engine_sql, loop_sql = [], []
+
+    def on_engine(conn, cursor, statement, parameters, context, executemany):
+        engine_sql.append(statement)
+
+    def on_loop(kind, sql):
+        if kind == "statement":
+            loop_sql.append(sql)
+
+    engine = api_app.state.engine
+    event.listen(engine, "before_cursor_execute", on_engine)
+    api_app.state.reads.observers.append(on_loop)
+    try:
+        assert client.get(job, headers=tenant.headers).status_code == 200
+        assert client.get(JOBS, headers=tenant.headers).status_code == 200
+    finally:
+        event.remove(engine, "before_cursor_execute", on_engine)
+        api_app.state.reads.observers.remove(on_loop)
+    on_postgres = engine.dialect.name == "postgresql"
+    assert (len(loop_sql), len(engine_sql)) == ((2, 0) if on_postgres else (0, 2)), (loop_sql, engine_sql)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep, read
+from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
 from api.errors import AUTHED, BY_ID, problems
 from api.schemas import (
     SPEC_VIEWS,
@@ -76,27 +76,21 @@ async def list_jobs(
     status: str | None = None,
 ):
     metadata = _metadata_filter(request)
-
-    def page_json(conn) -> bytes:
-        page = jobs.read_jobs(conn, principal, after=after, limit=limit, metadata=metadata, status=status,
-                              specs_known=SPEC_VIEWS)
-        views = [SPEC_VIEWS.get(row.id, page.specs.get(row.id)) for row in page]
-        if None in views:  # forgotten since the read (more than SpecViews.max_entries jobs seen meanwhile)
-            specs = jobs.read_specs(conn, principal, [row.id for row, view in zip(page, views) if view is None])
-            views = [view or SPEC_VIEWS.get(row.id, specs[row.id]) for row, view in zip(page, views)]
-        return jobs_page_json(page, views, page.has_more)
-
-    return JSONBytes(await read(request, page_json))
+    reads = request.app.state.reads
+    page = await jobs.read_jobs(reads, principal, after=after, limit=limit, metadata=metadata, status=status,
+                                specs_known=SPEC_VIEWS)
+    views = [SPEC_VIEWS.get(row.id, page.specs.get(row.id)) for row in page]
+    if None in views:  # forgotten since the read (more than SpecViews.max_entries jobs seen meanwhile)
+        specs = await jobs.read_specs(reads, principal, [row.id for row, view in zip(page, views) if view is None])
+        views = [view or SPEC_VIEWS.get(row.id, specs[row.id]) for row, view in zip(page, views)]
+    return JSONBytes(jobs_page_json(page, views, page.has_more))
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=problems(*BY_ID))
 async def get_job(job_id: str, request: Request, principal: PrincipalDep):
-    def job_bytes(conn) -> bytes:
-        view = SPEC_VIEWS.get(job_id)
-        row = jobs.read_job(conn, principal, job_id, with_spec=view is None)
-        return job_json(row, view or SPEC_VIEWS.get(row.id, row.spec_json))
-
-    return JSONBytes(await read(request, job_bytes))
+    view = SPEC_VIEWS.get(job_id)
+    row = await jobs.read_job(request.app.state.reads, principal, job_id, with_spec=view is None)
+    return JSONBytes(job_json(row, view or SPEC_VIEWS.get(row.id, row.spec_json)))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=problems(401, 404, 409, 422, 429, 503))

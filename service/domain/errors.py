@@ -187,6 +187,18 @@ class StorageFull(DomainError):
     status, code, title, openai_type = 507, "storage_full", "Insufficient storage", "server_error"
 
 
+class DatabaseUnavailable(DomainError):
+    """The database cannot be reached (refused, or closed by a restarting server) by a read that
+    goes to the driver directly (service/store/reads.py): 503, retryable, as api/errors.py answers
+    SQLAlchemy's disconnects."""
+
+    status, code, title, openai_type, retryable = 503, "database_unavailable", "Service unavailable", "server_error", True
+    RETRY_AFTER_S = 2  # a restart of Postgres takes about this long
+
+    def __init__(self, message: str = "The database is unavailable; retry shortly"):
+        super().__init__(message, headers={"Retry-After": str(self.RETRY_AFTER_S)})
+
+
 STORAGE_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 

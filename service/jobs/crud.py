@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Callable, Container, Iterable
 
-from sqlalchemy import Connection, Row, Text, bindparam, case, cast, delete, null, or_, select, tuple_, update
+from sqlalchemy import Row, Text, bindparam, case, cast, delete, null, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from service.domain.errors import (
@@ -43,6 +43,7 @@ from service.store.db import (
     insert_ignoring_conflicts,
     newest_first_page,
 )
+from service.store.reads import Reads
 from service.store.models import (
     MEMORY_BYTE_COLUMNS,
     Checkpoint,
@@ -297,19 +298,19 @@ _CURSOR_EXISTS = select(_jobs.id).where(_jobs.id == bindparam("after"), _TENANT)
 _SPECS = select(_jobs.id, _SPEC).where(_jobs.id.in_(bindparam("job_ids", expanding=True)), _TENANT)
 
 
-def read_job(conn: Connection, principal: Principal, job_id: str, *, with_spec: bool = True) -> Row:
+async def read_job(reads: Reads, principal: Principal, job_id: str, *, with_spec: bool = True) -> Row:
     """get_job for a read: the tenant's job as a JOB_ROW row (plus ``spec_json``, None unless
     ``with_spec``) in one statement, or JobNotFound."""
     row = None
     if "\x00" not in job_id:
-        row = conn.execute(_READ_JOB[with_spec], {"job_id": job_id, "tenant_id": principal.tenant_id}).first()
+        row = await reads.first(_READ_JOB[with_spec], {"job_id": job_id, "tenant_id": principal.tenant_id})
     if row is None:
         raise JobNotFound(job_id)
     return row
 
 
-def read_jobs(
-    conn: Connection,
+async def read_jobs(
+    reads: Reads,
     principal: Principal,
     *,
     after: str | None = None,
@@ -321,10 +322,11 @@ def read_jobs(
     """list_jobs for a read: a page of JOB_ROW rows, newest first, in one statement. The page's
     ``specs`` maps each listed id not in ``specs_known`` to its spec's text (one more statement, only
     when there is such an id). An ``after`` cursor is compared inside the statement; only an empty
-    page looks for it (a second statement), to tell an unknown cursor (422) from the end of the list."""
+    page looks for it (a second statement), to tell an unknown cursor (422) from the end of the list.
+    A filter on metadata or status builds its statement per request: those go through the engine."""
     params = {"tenant_id": principal.tenant_id, "limit": limit + 1, "after": after}
     if not metadata and not status:
-        q = _READ_PAGE[bool(after)]
+        rows = await reads.all(_READ_PAGE[bool(after)], params)
     else:
         q = _PAGE
         for key, value in (metadata or {}).items():
@@ -334,19 +336,21 @@ def read_jobs(
         if after:
             q = q.where(_AFTER_CURSOR)
         q = q.order_by(*_NEWEST_FIRST).limit(bindparam("limit"))
-    rows = conn.execute(q, params).all()
-    if not rows and after and conn.execute(_CURSOR_EXISTS, params).first() is None:
+        rows = await reads.in_thread(lambda conn: conn.execute(q, params).all())
+    if not rows and after and await reads.first(_CURSOR_EXISTS, params) is None:
         raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
     page = Page(rows[:limit], has_more=len(rows) > limit)
-    page.specs = read_specs(conn, principal, [r.id for r in page if r.id not in specs_known])
+    page.specs = await read_specs(reads, principal, [r.id for r in page if r.id not in specs_known])
     return page
 
 
-def read_specs(conn: Connection, principal: Principal, job_ids: list[str]) -> dict[str, str]:
-    """job id → its spec's JSON text, for those of ``job_ids`` that are the tenant's. One statement."""
+async def read_specs(reads: Reads, principal: Principal, job_ids: list[str]) -> dict[str, str]:
+    """job id → its spec's JSON text, for those of ``job_ids`` that are the tenant's. One statement
+    (an expanding IN list, so through the engine: only views not yet cached need it)."""
     if not job_ids:
         return {}
-    return dict(conn.execute(_SPECS, {"job_ids": job_ids, "tenant_id": principal.tenant_id}).tuples().all())
+    params = {"job_ids": job_ids, "tenant_id": principal.tenant_id}
+    return await reads.in_thread(lambda conn: dict(conn.execute(_SPECS, params).tuples().all()))
 
 
 # --- user actions -----------------------------------------------------------------------------
