@@ -8,12 +8,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import deps, errors, metrics
+from api.asgi import answered_status
 from api.limits import MAX_JSON_BODY_BYTES, BodyLimit, HeaderLimit, RateLimit
 from api.routes import files, health, ingest, jobs, memory, pages, stream
 from service.settings import Settings, ensure_dirs, get_settings
 from service.store import db, reads
 
-__all__ = ["MAX_JSON_BODY_BYTES", "BodyLimit", "create_app"]  # tests and bench/whatif_app.py import these from here
+__all__ = ["MAX_JSON_BODY_BYTES", "BodyLimit", "answered_status", "create_app"]  # tests, bench/whatif_app.py and service/cli/embedded.py import these from here
 
 # Other features add their router here, one line each.
 ROUTERS = [health.router, files.router, stream.router, jobs.router, ingest.router, pages.router, memory.router]  # stream before jobs: it claims …/events?stream=true

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from api import errors
+from api.asgi import answered_status
 from service.settings import Settings
 
 # JSON bodies (job specs, ingest batches) are small; uploads have their own limit (max_upload_bytes).
@@ -159,16 +160,9 @@ class RateLimit:
         if digest is None:
             return await self.app(scope, receive, send)
 
-        status = 0
-
-        async def watch(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        status = 0  # stays 0 if the app raises
         try:
-            await self.app(scope, receive, watch)
+            status = await answered_status(self.app, scope, receive, send)
         finally:
             if status == 401:
                 self.keys.items.pop(digest, None)

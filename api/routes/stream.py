@@ -36,6 +36,7 @@ from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.routing import Match
 
+from api.asgi import answered_status
 from api.deps import ReadSessionDep
 from api.errors import BY_ID, problems
 from api.schemas import event_public
@@ -280,15 +281,7 @@ class PokeOnWrite:
         m = _INGEST.match(path) or _ACTIONS.match(path)
         if m is None:
             return await self.app(scope, receive, send)
-        status = {}
-
-        async def send_wrapper(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        await self.app(scope, receive, send_wrapper)
-        if status.get("code", 500) < 300:
+        if await answered_status(self.app, scope, receive, send) < 300:
             hub = getattr(scope["app"].state, "stream_hub", None) if "app" in scope else None
             if hub is not None:
                 hub.poke(m.group(1))

@@ -405,15 +405,9 @@ class WakeSchedulerOnPost:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or not _WAKING.match(scope.get("path", "")):
             return await self.app(scope, receive, send)
-        status = {}
+        from api.app import answered_status
 
-        async def send_wrapper(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        await self.app(scope, receive, send_wrapper)
-        if status.get("code", 500) < 300:
+        if await answered_status(self.app, scope, receive, send) < 300:
             from service.scheduler.loop import wake
 
             wake()
