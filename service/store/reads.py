@@ -64,8 +64,10 @@ class Reads:
         """Start serving reads on the running loop (Postgres only; connections open as needed)."""
         if self.engine.dialect.name != "postgresql" or self._pool is not None:
             return
-        url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        self._pool = _Pool(url, self.size, self.observers)
+        url = self.engine.url.set(drivername="postgresql")
+        if "application_name" not in url.query:  # one given in the database URL names these too
+            url = url.update_query_dict({"application_name": "memfit-api-reads"})
+        self._pool = _Pool(url.render_as_string(hide_password=False), self.size, self.observers)
         self._loop = asyncio.get_running_loop()
 
     async def close(self) -> None:
@@ -157,8 +159,7 @@ class _Pool:
 
         try:
             conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True, row_factory=namedtuple_row,
-                                                         connect_timeout=CONNECT_TIMEOUT_S,
-                                                         application_name="memfit-api-reads")
+                                                         connect_timeout=CONNECT_TIMEOUT_S)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable("The database is unavailable; retry shortly") from exc
         for observe in self.observers:
