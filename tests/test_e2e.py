@@ -349,3 +349,45 @@ def test_killed_training_worker_resumes_from_checkpoint(stack, ray_head):
         assert s.get(Job, job_id).attempt == 1  # Ray's own restart, not a new memfit attempt
     assert list(stack.ray.submissions_of(job_id)) == [submission_id(job_id, 1)]
     assert job["fine_tuned_model"]
+
+
+@pytest.fixture
+def stall_at(stack):
+    """MEMFIT_WORKER_STALL_AT for the jobs the stack's scheduler submits meanwhile (workers/steps.py)."""
+    def stall(step: int, attempt: int = 1) -> None:
+        stack.scheduler.extra_env["MEMFIT_WORKER_STALL_AT"] = f"{step}:{attempt}"
+
+    yield stall
+    stack.scheduler.extra_env.pop("MEMFIT_WORKER_STALL_AT", None)
+
+
+def test_a_stalled_run_is_restarted_from_its_checkpoint_as_a_new_attempt(stack, stall_at):
+    """Rank 0 hangs after step 5 of attempt 1 (as ranks do whose peer's node vanished mid-collective:
+    no error, no step): past training.stall_timeout_s the scheduler says so, stops the Ray job and
+    queues attempt 2, which resumes from the checkpoint of step 3 and finishes."""
+    stall_at(5)
+    job_id = stack.create(hyperparameters={"max_steps": 8}, checkpoint_every_steps=3, stall_timeout_s=5, max_failures=1)
+    job = stack.wait(job_id, ("succeeded",))
+    events = stack.events(job_id)
+    [stalled] = [e for e in events if e["message"].startswith("No training step for")]
+    assert stalled["level"] == "warn" and stalled["data"]["step"] == 4 and stalled["data"]["bound_s"] == 5
+    assert "restarting from the latest checkpoint (1 of training.max_failures 1)" in stalled["message"]
+    requeued = [e for e in events if (e.get("data") or {}).get("reason") == "stalled"]
+    assert len(requeued) == 1 and requeued[0]["data"]["attempt"] == 1
+    assert job["attempt"] == 2
+    steps = {a: [e["data"]["step"] for e in events if e["type"] == "metrics" and e["data"]["rank"] == 0
+                 and e["attempt"] == a] for a in (1, 2)}
+    assert steps[1] == [1, 2, 3, 4] and steps[2] == [4, 5, 6, 7, 8], steps  # resumed after the checkpoint of step 3
+    assert list(stack.ray.submissions_of(job_id)) == [submission_id(job_id, 1), submission_id(job_id, 2)]
+    assert stack.ray.status(submission_id(job_id, 1)).status == "STOPPED"
+
+
+def test_a_run_that_stalls_with_no_restarts_left_fails_stalled(stack, stall_at):
+    stall_at(2)
+    job_id = stack.create(hyperparameters={"max_steps": 6}, stall_timeout_s=5, max_failures=0)
+    job = stack.wait(job_id, ("failed",))
+    assert job["error"]["code"] == "stalled", job["error"]
+    assert "No training step for" in job["error"]["message"] and "training.max_failures 0" in job["error"]["message"]
+    assert job["attempt"] == 1
+    assert stack.wait_until(lambda: stack.ray.status(submission_id(job_id, 1)).status == "STOPPED", 60,
+                            "the stalled Ray job to be stopped")

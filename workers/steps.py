@@ -290,8 +290,19 @@ def make_telemetry(args: TrainArgs, env: WorkerEnv, model, optimizer, strategy: 
 # --- the cadence of reports, checkpoints and failures -------------------------------------------
 
 
+STALL_ENV = "MEMFIT_WORKER_STALL_AT"
+
+
 def maybe_inject_failure(args: TrainArgs, env: WorkerEnv, step: int) -> None:
-    """MEMFIT_FAIL_AT_STEP=<step>[:<rank>]: exit that rank once (a marker file remembers it)."""
+    """MEMFIT_FAIL_AT_STEP=<step>[:<rank>]: exit that rank once (a marker file remembers it).
+    MEMFIT_WORKER_STALL_AT=<step>:<attempt>: rank 0 of that memfit attempt hangs after that step, as
+    a rank whose peer's node vanished waits in a collective (the scheduler forwards MEMFIT_WORKER_*)."""
+    stall = os.environ.get(STALL_ENV)
+    if stall and env.rank == 0:
+        at, _, attempt = stall.partition(":")
+        if int(at) == step and os.environ.get("MEMFIT_ATTEMPT", "1") == (attempt or "1"):
+            while True:  # until the run is stopped
+                time.sleep(3600)
     if not args.fail_at:
         return
     at, _, rank = args.fail_at.partition(":")

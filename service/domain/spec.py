@@ -229,7 +229,13 @@ class TrainingOptions(Strict):
         MemoryPolicy.reject, description="A job predicted not to fit: reject it, auto-fix it, or ignore."
     )
     checkpoint_every_steps: int = Field(50, ge=1, le=1_000_000, description="Ray Train checkpoint cadence.")
-    max_failures: int = Field(1, ge=0, le=100, description="Worker-group restarts from the latest checkpoint.")
+    max_failures: int = Field(
+        1, ge=0, le=100,
+        description="Worker-group restarts from the latest checkpoint (after a worker fails, or the run stalls).")
+    stall_timeout_s: int | None = Field(
+        None, ge=5, le=7 * 86400,
+        description="A run with no new training step for this long is restarted from its latest checkpoint "
+                    "(then failed `stalled` once max_failures is spent); default 10× its mean step time, at least 300 s.")
     telemetry_every_steps: int = Field(1, ge=1, le=100_000, description="Metrics and memory sample cadence.")
     memory_trace_every_steps: int = Field(
         10, ge=1, le=100_000, description="Cadence of the exact (≈2× step cost) per-category memory trace."

@@ -64,7 +64,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -97,7 +97,7 @@ from service.scheduler.ray_jobs import (
 from service.scheduler.validate import ValidationFailed, validate_job
 from service.settings import Settings
 from service.store import spool
-from service.store.models import Checkpoint, File, Job, JobEvent, utcnow
+from service.store.models import Checkpoint, File, Job, JobEvent, SeriesHead, utcnow
 from service.store.tokens import new_ingest_token
 from service.store.transitions import transition
 
@@ -130,6 +130,13 @@ class _Watch:
     restarts_seen: int = 0
     missing_since: float | None = None  # Ray first answered "no such submission"
     missing_answers: int = 0
+    # Progress, for stall detection: the attempt watched, its first and latest step seen (with when
+    # this loop first saw each), and the spec's stall bound and restart budget.
+    progress_of: int | None = None
+    first_step: tuple[int, float] | None = None
+    last_step: tuple[int, float] | None = None
+    progress_checked_at: float = 0.0
+    stall_limits: tuple[float | None, int] | None = None
 
 
 @dataclass
@@ -158,6 +165,11 @@ class Scheduler:
     vanish_confirm_answers: int = 3
     # How many times a job is resubmitted after Ray lost its run before it fails ray_run_lost.
     max_lost_runs: int = 3
+    # A running job whose ranks report no new step for longer than stall_factor × its mean step time
+    # so far (at least stall_floor_s; the spec's training.stall_timeout_s instead, if given) has
+    # stalled: a node that died mid-collective leaves the others waiting with no error (gloo, NCCL).
+    stall_floor_s: float = 300.0
+    stall_factor: float = 10.0
     _watch: dict[str, _Watch] = field(default_factory=dict)
     _unsubmitted: dict[tuple[str, int], str] = field(default_factory=dict)  # deferred submissions → token
     _last_heartbeat: float = 0.0
@@ -566,6 +578,8 @@ class Scheduler:
         if st.status in RAY_ACTIVE:
             if st.status == "RUNNING":
                 self._watch_restarts(job_id, attempt, sid, watch)
+                if desired is None and self._stalled(job_id, attempt, sid, watch):
+                    return
             if desired == "cancel":
                 self.ray.stop(sid)
             elif desired == "pause" and self._pause_point_reached(job_id, attempt, watch):
@@ -626,6 +640,73 @@ class Scheduler:
                           level="warn", attempt=attempt, dedupe_key=f"raytrain-restart:{attempt}:{n}",
                           data={"restart": n, "attempt": attempt, "submission_id": sid})
         watch.restarts_seen += found
+
+    def _stalled(self, job_id: str, attempt: int, sid: str, watch: _Watch) -> bool:
+        """Whether the attempt has stalled, and if so act: a job event, the Ray job stopped, and a new
+        attempt queued that resumes from the latest checkpoint — or, once ``training.max_failures``
+        such restarts were spent, the job failed ``stalled``. Before its first step a run is never
+        stalled (start-up: Ray Train, model load); after it, the bound is stall_timeout_s from the
+        spec, else stall_factor × the mean step time seen so far, at least stall_floor_s."""
+        now = time.monotonic()
+        if now - watch.progress_checked_at < self.restart_check_s:
+            return False
+        watch.progress_checked_at = now
+        if watch.progress_of != attempt:
+            watch.progress_of, watch.first_step, watch.last_step = attempt, None, None
+        with self.sessions() as s:
+            step = s.scalar(select(func.max(SeriesHead.last_step)).where(
+                SeriesHead.job_id == job_id, SeriesHead.attempt == attempt, SeriesHead.series == "metrics"))
+            if watch.stall_limits is None:
+                spec = s.scalar(select(Job.spec).where(Job.id == job_id)) or {}
+                training = spec.get("training") or {}
+                watch.stall_limits = (training.get("stall_timeout_s"), int(training.get("max_failures", 1)))
+        if step is None:
+            return False
+        if watch.last_step is None or step > watch.last_step[0]:
+            watch.last_step = (step, now)
+            if watch.first_step is None:
+                watch.first_step = (step, now)
+            return False
+        timeout_s, max_restarts = watch.stall_limits
+        bound_s, why = self._stall_bound(watch, timeout_s)
+        idle_s = now - watch.last_step[1]
+        if idle_s <= bound_s:
+            return False
+        restarts = self._stall_restarts(job_id)
+        what = (f"No training step for {idle_s:.0f} s after step {step} (the bound is {bound_s:.0f} s: {why})")
+        data = {"step": step, "idle_s": round(idle_s, 1), "bound_s": round(bound_s, 1), "attempt": attempt,
+                "restarts": restarts, "max_failures": max_restarts, "submission_id": sid}
+        self.ray.stop(sid)  # the ranks still alive are waiting on a collective that will never complete
+        if restarts >= max_restarts:
+            self._fail(job_id, attempt, "stalled",
+                       f"{what}; the run was restarted {restarts} times for stalling "
+                       f"(training.max_failures {max_restarts})", details=data)
+        else:
+            with self.sessions.begin() as s:
+                add_event(s, job_id, f"{what}: restarting from the latest checkpoint "
+                          f"({restarts + 1} of training.max_failures {max_restarts})", level="warn",
+                          attempt=attempt, dedupe_key=f"stalled:{attempt}", data=data)
+            self._vanished(job_id, attempt, sid, "stalled", detail=what)
+        self._watch.pop(job_id, None)
+        return True
+
+    def _stall_bound(self, watch: _Watch, timeout_s: float | None) -> tuple[float, str]:
+        if timeout_s is not None:
+            return float(timeout_s), "training.stall_timeout_s"
+        (first, first_at), (last, last_at) = watch.first_step, watch.last_step
+        if last > first and last_at > first_at:
+            mean = (last_at - first_at) / (last - first)
+            if self.stall_factor * mean > self.stall_floor_s:
+                return self.stall_factor * mean, f"{self.stall_factor:g} × the mean step time so far, {mean:.1f} s"
+            return self.stall_floor_s, f"{self.stall_factor:g} × the mean step time so far ({mean:.1f} s), at least {self.stall_floor_s:g} s"
+        return self.stall_floor_s, f"at least {self.stall_floor_s:g} s until two steps are seen"
+
+    def _stall_restarts(self, job_id: str) -> int:
+        with self.sessions() as s:
+            data = s.scalars(select(JobEvent.data).where(
+                JobEvent.job_id == job_id, JobEvent.type == "message",
+                JobEvent.message == EVENT_MESSAGES[JobStatus.queued])).all()
+        return sum(1 for d in data if (d or {}).get("reason") == "stalled")
 
     def _pause_point_reached(self, job_id: str, attempt: int, watch: _Watch) -> bool:
         with self.sessions() as s:
