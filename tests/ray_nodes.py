@@ -1,0 +1,87 @@
+"""More Ray nodes on this machine, each its own raylet joined to a head (`ray start --address=…`),
+for the multi-node tests: what KubeRay's worker pods are to a real cluster.
+
+Each node is a session we start and own (service/scheduler/lifetime.py Ownership: a token in the
+environment of every process the node runs, its Ray workers included), so :meth:`RayNode.kill`
+ends the whole node at once, as a machine that loses power would, and :meth:`RayNode.stop` leaves
+nothing behind. Nodes start one at a time: several raylets registering at once on 2 cores miss
+`ray start`'s 30 s registration deadline (../shared/measured-on-cpu.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.scheduler.lifetime import OWNER_ENV, Ownership, chained, process_started
+from service.scheduler.local_head import LocalRayHead, free_port, ray_env
+
+
+def alive_nodes(head: LocalRayHead) -> list[dict]:
+    with urllib.request.urlopen(f"{head.dashboard_url}/api/v0/nodes?limit=100", timeout=10) as r:
+        body = json.loads(r.read())
+    nodes = ((body.get("data") or {}).get("result") or {}).get("result") or []
+    return [n for n in nodes if n.get("state") == "ALIVE"]
+
+
+@dataclass
+class RayNode:
+    head: LocalRayHead
+    num_cpus: int = 1
+    log_path: Path | None = None
+    process: subprocess.Popen | None = None
+    ownership: Ownership = field(default_factory=lambda: Ownership(label="ray worker node"))
+
+    def start(self, timeout_s: float = 120.0) -> "RayNode":
+        ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        before = len(alive_nodes(self.head))
+        cmd = [ray_bin, "start", "--block", "--disable-usage-stats", f"--address={self.head.address}",
+               "--node-ip-address=127.0.0.1", f"--num-cpus={self.num_cpus}", "--num-gpus=0",
+               f"--temp-dir={self.head.temp_dir}",
+               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+               f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}"]
+        env = ray_env(self.head.auth_mode)
+        env.pop("RAY_ADDRESS", None)
+        # The head's token and the node's: the head's stop() ends the node too, kill() only the node.
+        env[OWNER_ENV] = chained(self.head.ownership.env_chain(), self.ownership.token)
+        env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+        log = open(self.log_path or os.devnull, "ab")
+        try:
+            self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+        self.ownership.session_pid = self.process.pid
+        self.ownership.session_started = process_started(self.process.pid)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ray worker node exited with code {self.process.returncode}")
+            if len(alive_nodes(self.head)) > before:
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"ray worker node did not register with {self.head.address} within {timeout_s:.0f} s")
+
+    def pids(self) -> set[int]:
+        return {p.pid for p in self.ownership.processes()}
+
+    def kill(self) -> list[str]:
+        """SIGKILL every process of the node at once (`ray start`, raylet, agents, its Ray workers)."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(10)
+        return self.ownership.end(timeout_s=20)
+
+    stop = kill  # a node is disposable: nothing of it needs a graceful end
