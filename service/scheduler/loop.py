@@ -633,13 +633,18 @@ class Scheduler:
         watch.logs_checked_at = now
         if watch.log_of != sid:
             watch.log, watch.log_of, watch.restarts_seen = LogCursor(), sid, 0
-        found = sum(1 for line in self.ray.new_log_lines(sid, watch.log) if "[FailurePolicy] RETRY" in line)
-        for n in range(watch.restarts_seen + 1, watch.restarts_seen + found + 1):
+        lines = self.ray.new_log_lines(sid, watch.log)
+        retries = [_retry_detail(lines[i + 1:i + 3]) for i, line in enumerate(lines) if "[FailurePolicy] RETRY" in line]
+        for n, (source, count) in enumerate(retries, start=watch.restarts_seen + 1):
+            # Ray counts a worker group's failures against max_failures, the controller's (e.g. a worker
+            # group that could not be placed yet) against a limit of their own: say which this was.
+            detail = f": {source} failure {count}" if source else ""
             with self.sessions.begin() as s:
-                add_event(s, job_id, f"Ray Train restarted the worker group from its latest checkpoint (restart {n})",
+                add_event(s, job_id, f"Ray Train restarted the worker group from its latest checkpoint (restart {n}{detail})",
                           level="warn", attempt=attempt, dedupe_key=f"raytrain-restart:{attempt}:{n}",
-                          data={"restart": n, "attempt": attempt, "submission_id": sid})
-        watch.restarts_seen += found
+                          data={"restart": n, "attempt": attempt, "submission_id": sid, "source": source,
+                                "error_count": count})
+        watch.restarts_seen += len(retries)
 
     def _stalled(self, job_id: str, attempt: int, sid: str, watch: _Watch) -> bool:
         """Whether the attempt has stalled, and if so act: a job event, the Ray job stopped, and a new
@@ -838,6 +843,19 @@ class Scheduler:
         error = ErrorInfo(code=code, message=message, details=details or {}).model_dump(mode="json")
         metrics.SCHEDULER_FAILURES.labels(code).inc()  # /metrics
         self._finish(job_id, attempt, JobStatus.failed, error=error, lease_owner=None)
+
+
+def _retry_detail(following: list[str]) -> tuple[str | None, str | None]:
+    """The source and error count Ray Train's failure policy logs under its "[FailurePolicy] RETRY"
+    line (ray/train/v2/_internal/execution/failure_handling/default.py): ("worker group", "1 (max
+    allowed: 2)"), or Nones where those lines are not (yet) in what was read."""
+    source = count = None
+    for line in following:  # an actor's lines reach the driver log prefixed "(TrainController pid=…)"
+        if "  Source: " in line:
+            source = line.split("  Source: ", 1)[1].strip()
+        elif "  Error count: " in line:
+            count = line.split("  Error count: ", 1)[1].strip()
+    return source, count
 
 
 def _link_tree(src: Path, dst: Path) -> None:

@@ -1,5 +1,6 @@
-"""The stall bound of service/scheduler/loop.py (Scheduler._stall_bound): how long a running job may
-go without a new step. The end-to-end restart and failure are tests/test_e2e.py -k stall."""
+"""What the scheduler reads off a running job (service/scheduler/loop.py): the stall bound
+(Scheduler._stall_bound, how long a run may go without a new step; the end-to-end restart and
+failure are tests/test_e2e.py -k stall) and Ray Train's retry decisions from the driver log."""
 
 from __future__ import annotations
 
@@ -39,3 +40,12 @@ def test_the_spec_refuses_a_bound_too_short_to_mean_anything():
     with pytest.raises(ValueError, match="stall_timeout_s"):
         JobSpec.model_validate({**body, "training": {"stall_timeout_s": 1}})
     assert JobSpec.model_validate({**body, "training": {"stall_timeout_s": 5}}).training.stall_timeout_s == 5
+
+
+def test_a_ray_train_retry_is_told_with_its_source_and_count():
+    from service.scheduler.loop import _retry_detail
+
+    lines = ["(TrainController pid=77)   Source: controller", "(TrainController pid=77)   Error count: 2 (max allowed: inf)"]
+    assert _retry_detail(lines) == ("controller", "2 (max allowed: inf)")
+    assert _retry_detail(["  Source: worker group", "  Error count: 1 (max allowed: 2)"]) == ("worker group", "1 (max allowed: 2)")
+    assert _retry_detail([]) == (None, None)  # the lines after it not read yet: the event says less
