@@ -71,11 +71,20 @@ def ranks_on_two_nodes(stack, nodes, job_id) -> dict[int, list[int]]:
     return hosts
 
 
+def placements(stack, job_id: str) -> list[tuple[int, str]]:
+    """(rank, Ray node id) as the ranks' telemetry reported them, in order."""
+    return [(e["data"]["rank"], e["data"]["node_id"]) for e in stack.events(job_id)
+            if e["message"].startswith("Rank ") and "runs on Ray node" in e["message"]]
+
+
 def test_an_fsdp_job_spans_two_nodes(cluster, stack):
-    _, nodes = cluster
+    head, nodes = cluster
     job_id = stack.create(strategy="fsdp", hyperparameters={"max_steps": 12}, checkpoint_every_steps=6)
     ranks_on_two_nodes(stack, nodes, job_id)
     job = stack.wait(job_id, ("succeeded",))
+    placed = dict(placements(stack, job_id))
+    worker_nodes = {n["node_id"] for n in alive_nodes(head) if not n.get("is_head_node")}
+    assert sorted(placed) == [0, 1] and len(set(placed.values())) == 2 and set(placed.values()) <= worker_nodes, placed
     assert stack.metrics_steps(job_id, 0) == list(range(1, 13)) and stack.metrics_steps(job_id, 1) == list(range(1, 13))
     assert job["fine_tuned_model"]
 
@@ -92,9 +101,16 @@ def test_a_ddp_job_spans_two_nodes_and_survives_losing_one(cluster, stack):
                      what="steps past the checkpoint", job_id=job_id)
     hosts = ranks_on_two_nodes(stack, nodes, job_id)
     victim = min(hosts)
+    before = {n["node_id"] for n in alive_nodes(head)}
+    first = dict(placements(stack, job_id))
+    assert sorted(first) == [0, 1] and len(set(first.values())) == 2, first  # as the ranks report it
     killed_at = time.monotonic()
     nodes[victim].kill()
     job = stack.wait(job_id, ("succeeded",), timeout=600)
+    [lost] = before - {n["node_id"] for n in alive_nodes(head)}
+    assert lost in first.values()
+    moved = placements(stack, job_id)[2:]  # the restarted ranks (an unchanged placement is said once)
+    assert moved and all(node != lost for _, node in moved), (lost, moved)
     recovered_s = time.monotonic() - killed_at
     events = stack.events(job_id)
     messages = [e["message"] for e in events]

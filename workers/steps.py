@@ -44,14 +44,17 @@ class WorkerEnv:
     reports: list[dict] = field(default_factory=list)  # local mode: what would have been reported
     checkpoints: list[str] = field(default_factory=list)
     resume_dir: str | None = None
+    node_id: str | None = None  # the Ray node this rank runs on (None outside Ray)
 
     @classmethod
     def from_ray(cls) -> "WorkerEnv":
+        import ray
         import ray.train
         import ray.train.torch
 
         ctx = ray.train.get_context()
-        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), in_ray=True)
+        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), in_ray=True,
+                   node_id=ray.get_runtime_context().get_node_id())
 
     @classmethod
     def local(cls, device: str | torch.device = "cpu") -> "WorkerEnv":
@@ -328,6 +331,16 @@ class Progress:
     trained_tokens: int = 0
     started_at: float = field(default_factory=time.perf_counter)
     events: list[dict] = field(default_factory=list)  # job events still to send, with the next report
+
+    def __post_init__(self) -> None:
+        if self.env.node_id:  # where each rank runs, once per placement (a restart may move it)
+            import socket
+
+            rank, node = self.env.rank, self.env.node_id
+            self.events = [*self.events, {  # a new list: the caller's notices stay as they are
+                "level": "info", "dedupe": f"placed:{rank}:{node}",
+                "data": {"rank": rank, "node_id": node, "hostname": socket.gethostname()},
+                "message": f"Rank {rank} runs on Ray node {node[:12]} ({socket.gethostname()})"}]
 
     def resumed(self, step: int, trained_tokens: int) -> None:
         """Training continues after the checkpoint of ``step``: say so in the job's events (rank 0)."""

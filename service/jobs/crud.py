@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Callable, Container, Iterable
 
-from sqlalchemy import Row, Text, bindparam, case, cast, delete, null, or_, select, tuple_, update
+from sqlalchemy import Row, Text, any_, bindparam, case, cast, delete, literal_column, null, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from service.domain.errors import (
@@ -295,6 +296,13 @@ _PAGE = select(*JOB_ROW).where(_TENANT)
 _READ_PAGE = {False: _PAGE.order_by(*_NEWEST_FIRST).limit(bindparam("limit")),
               True: _PAGE.where(_AFTER_CURSOR).order_by(*_NEWEST_FIRST).limit(bindparam("limit"))}
 _CURSOR_EXISTS = select(_jobs.id).where(_jobs.id == bindparam("after"), _TENANT)
+# Postgres: a row version's identity — the transaction that wrote it and where it lies. Any UPDATE
+# writes a new version with a new xmin, so a page can be read as (id, version) pairs first and only
+# the jobs whose version is not the one already in hand fetched whole (read_jobs).
+_VERSION = literal_column("(jobs.xmin::text || '/' || jobs.ctid::text)").label("version")
+_PAGE_VERSIONS = {after: select(_jobs.id, _VERSION).where(_TENANT, *((_AFTER_CURSOR,) if after else ()))
+                  .order_by(*_NEWEST_FIRST).limit(bindparam("limit")) for after in (False, True)}
+_ROWS_BY_ID = select(*JOB_ROW, _VERSION).where(_jobs.id == any_(bindparam("job_ids")), _TENANT)
 _SPECS = select(_jobs.id, _SPEC).where(_jobs.id.in_(bindparam("job_ids", expanding=True)), _TENANT)
 
 
@@ -325,7 +333,9 @@ async def read_jobs(
     page looks for it (a second statement), to tell an unknown cursor (422) from the end of the list.
     A filter on metadata or status builds its statement per request: those go through the engine."""
     params = {"tenant_id": principal.tenant_id, "limit": limit + 1, "after": after}
-    if not metadata and not status:
+    if not metadata and not status and reads.on_loop:
+        rows = await _read_page_by_version(reads, params, bool(after))
+    elif not metadata and not status:
         rows = await reads.all(_READ_PAGE[bool(after)], params)
     else:
         q = _PAGE
@@ -342,6 +352,41 @@ async def read_jobs(
     page = Page(rows[:limit], has_more=len(rows) > limit)
     page.specs = await read_specs(reads, principal, [r.id for r in page if r.id not in specs_known])
     return page
+
+
+class _RowVersions:
+    """job id → (version, its JOB_ROW row) for the most recently read ``max_entries`` jobs."""
+
+    def __init__(self, max_entries: int = 4096):
+        self.max_entries = max_entries
+        self.rows: OrderedDict[str, tuple[str, Row]] = OrderedDict()
+
+    def get(self, job_id: str, version: str) -> Row | None:
+        hit = self.rows.get(job_id)
+        return hit[1] if hit is not None and hit[0] == version else None
+
+    def put(self, job_id: str, version: str, row: Row) -> None:
+        self.rows[job_id] = (version, row)
+        self.rows.move_to_end(job_id)
+        while len(self.rows) > self.max_entries:
+            self.rows.popitem(last=False)
+
+
+_ROW_VERSIONS = _RowVersions()
+
+
+async def _read_page_by_version(reads: Reads, params: dict[str, Any], after: bool) -> list:
+    """The page's rows, on Postgres: its (id, version) pairs in one small statement, then whole rows
+    only for the jobs not already held at that version (a second statement, only then). A page that
+    is polled again reads none of its JSON columns while its jobs are unchanged."""
+    page = await reads.all(_PAGE_VERSIONS[after], params)
+    rows = {job_id: row for job_id, version in page if (row := _ROW_VERSIONS.get(job_id, version)) is not None}
+    missing = [job_id for job_id, _ in page if job_id not in rows]
+    if missing:
+        for row in await reads.all(_ROWS_BY_ID, {"job_ids": missing, "tenant_id": params["tenant_id"]}):
+            _ROW_VERSIONS.put(row.id, row.version, row)
+            rows[row.id] = row
+    return [rows[job_id] for job_id, _ in page if job_id in rows]  # one deleted in between is left out
 
 
 async def read_specs(reads: Reads, principal: Principal, job_ids: list[str]) -> dict[str, str]:
