@@ -117,6 +117,8 @@ def test_a_ddp_job_spans_two_nodes_and_survives_losing_one(cluster, stack):
     restarted = [m.splitlines()[0] for m in messages
                  if m.startswith(("Ray Train restarted", "worker group failed", "No training step for"))]
     assert restarted, messages
+    told = [(e["data"]["source"], e["data"]["error_count"]) for e in events if e["message"].startswith("Ray Train restarted")]
+    assert len(told) == len(set(told)), told  # each of Ray Train's retry decisions told once
     steps = sorted({e["data"]["step"] for e in events if e["type"] == "metrics" and e["data"]["rank"] == 0})
     assert steps == list(range(1, 41)), steps
     checkpointed = {c["step_number"] for c in stack.http.get(f"{checkpoints}?limit=100", headers=stack.auth).json()["data"]}

@@ -128,6 +128,7 @@ class _Watch:
     log: LogCursor = field(default_factory=LogCursor)
     log_of: str | None = None  # the submission whose driver log ``log`` reads
     restarts_seen: int = 0
+    retries_told: set = field(default_factory=set)  # (source, error count) of Ray Train retries already told
     missing_since: float | None = None  # Ray first answered "no such submission"
     missing_answers: int = 0
     # Progress, for stall detection: the attempt watched, its first and latest step seen (with when
@@ -632,10 +633,17 @@ class Scheduler:
             return
         watch.logs_checked_at = now
         if watch.log_of != sid:
-            watch.log, watch.log_of, watch.restarts_seen = LogCursor(), sid, 0
+            watch.log, watch.log_of, watch.restarts_seen, watch.retries_told = LogCursor(), sid, 0, set()
         lines = self.ray.new_log_lines(sid, watch.log)
         retries = [_retry_detail(lines[i + 1:i + 3]) for i, line in enumerate(lines) if "[FailurePolicy] RETRY" in line]
-        for n, (source, count) in enumerate(retries, start=watch.restarts_seen + 1):
+        for source, count in retries:
+            # Ray's log deduplication may print one decision several times: a decision is told once.
+            if source is not None and count is not None:
+                if (source, count) in watch.retries_told:
+                    continue
+                watch.retries_told.add((source, count))
+            watch.restarts_seen += 1
+            n = watch.restarts_seen
             # Ray counts a worker group's failures against max_failures, the controller's (e.g. a worker
             # group that could not be placed yet) against a limit of their own: say which this was.
             detail = f": {source} failure {count}" if source else ""
@@ -644,7 +652,6 @@ class Scheduler:
                           level="warn", attempt=attempt, dedupe_key=f"raytrain-restart:{attempt}:{n}",
                           data={"restart": n, "attempt": attempt, "submission_id": sid, "source": source,
                                 "error_count": count})
-        watch.restarts_seen += len(retries)
 
     def _stalled(self, job_id: str, attempt: int, sid: str, watch: _Watch) -> bool:
         """Whether the attempt has stalled, and if so act: a job event, the Ray job stopped, and a new
