@@ -684,7 +684,7 @@ class Scheduler:
         idle_s = now - watch.last_step[1]
         if idle_s <= bound_s:
             return False
-        restarts = self._stall_restarts(job_id)
+        restarts = self._requeues(job_id, frozenset({"stalled"}))
         what = (f"No training step for {idle_s:.0f} s after step {step} (the bound is {bound_s:.0f} s: {why})")
         data = {"step": step, "idle_s": round(idle_s, 1), "bound_s": round(bound_s, 1), "attempt": attempt,
                 "restarts": restarts, "max_failures": max_restarts, "submission_id": sid}
@@ -712,13 +712,6 @@ class Scheduler:
                 return self.stall_factor * mean, f"{self.stall_factor:g} × the mean step time so far, {mean:.1f} s"
             return self.stall_floor_s, f"{self.stall_factor:g} × the mean step time so far ({mean:.1f} s), at least {self.stall_floor_s:g} s"
         return self.stall_floor_s, f"at least {self.stall_floor_s:g} s until two steps are seen"
-
-    def _stall_restarts(self, job_id: str) -> int:
-        with self.sessions() as s:
-            data = s.scalars(select(JobEvent.data).where(
-                JobEvent.job_id == job_id, JobEvent.type == "message",
-                JobEvent.message == EVENT_MESSAGES[JobStatus.queued])).all()
-        return sum(1 for d in data if (d or {}).get("reason") == "stalled")
 
     def _pause_point_reached(self, job_id: str, attempt: int, watch: _Watch) -> bool:
         with self.sessions() as s:
@@ -762,11 +755,15 @@ class Scheduler:
         self._watch.pop(job_id, None)
 
     def _lost_runs(self, job_id: str) -> int:
+        return self._requeues(job_id, LOST_REASONS)
+
+    def _requeues(self, job_id: str, reasons: frozenset[str]) -> int:
+        """How often the job was requeued (running → queued) for one of ``reasons``."""
         with self.sessions() as s:
             data = s.scalars(select(JobEvent.data).where(
                 JobEvent.job_id == job_id, JobEvent.type == "message",
                 JobEvent.message == EVENT_MESSAGES[JobStatus.queued])).all()
-        return sum(1 for d in data if (d or {}).get("reason") in LOST_REASONS)
+        return sum(1 for d in data if (d or {}).get("reason") in reasons)
 
     def _replay_spool(self, job_id: str, attempt: int) -> str | None:
         """Store what the attempt's spool holds past its delivered offset, through service.jobs.ingest —
