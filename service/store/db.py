@@ -79,16 +79,25 @@ def watch_stale_connections(engine: Engine) -> None:
         if getattr(driver, "closed", False):
             raise exc.DisconnectionError("connection closed")
         try:
-            readable = bool(select.select([driver.fileno()], [], [], 0)[0])
+            suspect = must_ping(driver.fileno(), idle_since)
         except (OSError, ValueError):
             raise exc.DisconnectionError("connection socket unusable") from None
-        if readable or time.monotonic() - idle_since > PING_IDLE_S:
+        if suspect:
             try:
                 ok = engine.dialect.do_ping(dbapi_conn)
             except engine.dialect.loaded_dbapi.Error:
                 ok = False
             if not ok:
                 raise exc.DisconnectionError("connection failed its ping")
+
+
+def must_ping(fileno: int, idle_since: float) -> bool:
+    """Whether a pooled connection must be pinged before use: its socket has something to read (a
+    server that ends a session sends its goodbye first) or it sat idle PING_IDLE_S. No round trip.
+    Raises OSError or ValueError for a socket that is unusable. The sync pool (watch_stale_connections)
+    and the API's event-loop reads (service/store/reads.py) both check by this."""
+    readable = bool(select.select([fileno], [], [], 0)[0])
+    return readable or time.monotonic() - idle_since > PING_IDLE_S
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

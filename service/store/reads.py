@@ -12,7 +12,7 @@ runs through the sync engine in a worker thread (:meth:`Reads.in_thread`).
 
 A pooled connection is checked as the sync pool checks it (service/store/db.py
 watch_stale_connections): its socket is asked, without a round trip, whether the server has said
-goodbye (a restart or failover closes every session), and only then, or after PING_IDLE_S idle, is
+goodbye (a restart or failover closes every session), and only then, or after db.PING_IDLE_S idle, is
 it pinged. A connection that fails while in use empties the pool (the others are as stale) and the
 read is tried once more on a new one; a database that cannot be reached raises
 :class:`~service.domain.errors.DatabaseUnavailable` (503, retryable) at once, as the sync path does.
@@ -21,7 +21,6 @@ read is tried once more on a new one; a database that cannot be reached raises
 from __future__ import annotations
 
 import asyncio
-import select
 import time
 from typing import Any, Callable, TypeVar
 
@@ -29,10 +28,10 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.sql import Executable
 
 from service.domain.errors import DatabaseUnavailable
+from service.store.db import must_ping
 
 T = TypeVar("T")
 
-PING_IDLE_S = 30.0  # as service/store/db.py: a connection idle this long is pinged before use
 CONNECT_TIMEOUT_S = 5
 
 
@@ -190,18 +189,17 @@ async def _fetch(conn, sql: str, params: dict[str, Any]) -> list:
 
 
 async def _alive(conn, idle_since: float) -> bool:
-    """The stale-connection check of service/store/db.py: the socket first, a ping only if it has
-    something to say (the server's goodbye) or the connection sat idle PING_IDLE_S."""
+    """The stale-connection check of service/store/db.py (must_ping): the socket first, a ping only
+    if it has something to say (the server's goodbye) or the connection sat idle."""
     import psycopg
 
     if conn.closed or conn.broken:
         return False
     try:
-        readable = bool(select.select([conn.fileno()], [], [], 0)[0])
+        if not must_ping(conn.fileno(), idle_since):
+            return True
     except (OSError, ValueError):
         return False
-    if not readable and time.monotonic() - idle_since <= PING_IDLE_S:
-        return True
     try:
         await conn.execute("SELECT 1")
     except psycopg.Error:
