@@ -1,7 +1,7 @@
 """Predicted vs measured memory per rank, over the matrix of issue 5, on this machine's CPUs.
 
     .venv/bin/python bench/memory_accuracy.py --quick            # a 6-config slice (~1 min)
-    .venv/bin/python bench/memory_accuracy.py                    # the full 160-config matrix (~30 min)
+    .venv/bin/python bench/memory_accuracy.py                    # the full 192-config matrix (~36 min)
     .venv/bin/python bench/memory_accuracy.py --save m.json      # keep the measurements
     .venv/bin/python bench/memory_accuracy.py --load m.json      # re-predict without re-measuring
 
@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MiB = 2**20
-STRATEGIES = ("ddp1", "fsdp2", "zero2", "zero3", "zero3_offload")
+STRATEGIES = ("ddp1", "fsdp2", "zero2", "zero3", "zero3_offload", "pp2")
 CATS = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
 STATES = ("parameters", "gradients", "optimizer_states")
 # FSDP2 over gloo frees some unit buffers on gloo's threads, so a step's peak varies by up to a
@@ -56,7 +56,7 @@ class Case:
 
     @property
     def world(self) -> int:
-        return 1 if self.strategy == "ddp1" else 2
+        return 1 if self.strategy == "ddp1" else 2  # pp2: two pipeline stages
 
     @property
     def name(self) -> str:
@@ -65,7 +65,7 @@ class Case:
 
     def spec_body(self) -> dict:
         """The job spec a user would submit for this case."""
-        strategy = {"ddp1": "ddp", "fsdp2": "fsdp"}.get(self.strategy, "deepspeed")
+        strategy = _STRATEGY.get(self.strategy, "deepspeed")
         training: dict = {
             "strategy": strategy,
             "precision": self.precision,
@@ -75,6 +75,8 @@ class Case:
         }
         if self.peft == "lora":
             training["peft"] = {"method": "lora", "r": 8}
+        if strategy == "pipeline":
+            training["pipeline"] = {"stages": 2, "schedule": "1f1b"}
         if strategy == "deepspeed":
             ds = {"zero_stage": 2 if self.strategy == "zero2" else 3}
             if self.strategy == "zero3_offload":
@@ -84,6 +86,7 @@ class Case:
 
 
 FAMILIES = ("small-llama", "small-qwen2")
+_STRATEGY = {"ddp1": "ddp", "fsdp2": "fsdp", "pp2": "pipeline"}  # the bench's names → the spec's
 
 
 def matrix(quick: bool, families: tuple[str, ...] = FAMILIES) -> list[Case]:
@@ -120,7 +123,7 @@ def _train_args(case: Case, out_dir: str):
     off = "cpu" if case.strategy == "zero3_offload" else "none"
     return TrainArgs(
         job_id="bench", output_dir=out_dir, training_path="-", model=f"preset:{case.family}",
-        strategy={"ddp1": "ddp", "fsdp2": "fsdp"}.get(case.strategy, "deepspeed"),
+        strategy=_STRATEGY.get(case.strategy, "deepspeed"), pipeline_stages=2, pipeline_microbatches=case.micro_batch,
         precision=case.precision, gradient_checkpointing=case.ckpt, micro_batch_size=case.micro_batch,
         max_seq_length=case.seq, peft_method=case.peft, ds_stage=ds_stage, ds_offload_optimizer=off,
         ds_offload_param=off, telemetry_every_steps=1, memory_trace_every_steps=1 if case.steps > 3 else 10_000, max_steps=case.steps,
@@ -155,8 +158,18 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
     torch.manual_seed(0)
     model = S.build_model(args, model_dir)
     vocab = model.config.vocab_size
-    engine = None
-    if case.strategy == "ddp1":
+    engine = pp = None
+    if case.strategy == "pp2":
+        from workers.strategies.pipeline import Mesh, make_pipeline, split_model
+
+        dist.init_process_group("gloo", rank=rank, world_size=case.world)
+        mesh = Mesh(case.world, rank, 2)
+        model = split_model(model, mesh.stage, 2, autocast_dtype(training_regime(args))).to(device)
+        optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
+        pp = make_pipeline(model, mesh, "1f1b", args.pipeline_microbatches, device)
+        offload = {"optimizer": "none", "param": "none"}
+        tel_model = model
+    elif case.strategy == "ddp1":
         model = model.to(device)
         optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
         amp = autocast_dtype(training_regime(args))
@@ -186,7 +199,7 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
         offload = {"optimizer": args.ds_offload_optimizer == "cpu", "param": args.ds_offload_param == "cpu"}
         tel_model = engine.module
     tel = W.make_telemetry(args, W.WorkerEnv(rank, case.world, device), tel_model, optimizer,
-                           {"ddp1": "ddp", "fsdp2": "fsdp"}.get(case.strategy, "deepspeed"),
+                           _STRATEGY.get(case.strategy, "deepspeed"),
                            {k: (v if isinstance(v, bool) else v == "cpu") for k, v in offload.items()})
     scheduler = None if engine is not None else W.warmup_cosine(optimizer, 0, case.steps)
     (engine or model).train()  # the worker's loop does this; HF checkpointing is off in eval mode
@@ -195,7 +208,11 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
     for step in range(1, case.steps + 1):
         t0 = time.perf_counter()
         tel.begin_step(step)
-        if engine is None:
+        if pp is not None:  # every stage reads the same rows
+            from workers.strategies.pipeline import pipeline_step
+
+            pipeline_step(pp, _batches(case, vocab, step, 0), optimizer, scheduler, args.max_grad_norm, device, tel)
+        elif engine is None:
             W.accumulate_gradients(model, _batches(case, vocab, step, rank), device=device, world_size=case.world,
                                    amp_dtype=amp, tel=tel)
             W.clip_and_step(model, optimizer, scheduler, args.max_grad_norm)
@@ -267,14 +284,16 @@ def measure(case: Case, model_dir: str, timeout_s: float = 600) -> dict:
 # --- predicting ----------------------------------------------------------------------------------
 
 
-def predict(case: Case) -> dict:
+def predict(case: Case, rank: int | None = None) -> dict:
+    """The plan of ``case``; for a pipeline (pp2) the plan of the stage ``rank`` runs (None: the fullest)."""
     from service.domain.model_ref import resolve_model
     from service.domain.spec import JobSpec
     from service.memory.planner import plan
     from service.memory.shape import shape_for_model
 
     spec = JobSpec.model_validate(case.spec_body())
-    p = plan(spec, shape_for_model(resolve_model(spec.model, ())), None)
+    p = plan(spec, shape_for_model(resolve_model(spec.model, ())), None,
+             stage=rank if case.strategy == "pp2" else None)
     return p.model_dump(mode="json")
 
 
@@ -362,10 +381,13 @@ def report(results: list[dict], out=sys.stdout, markdown: str | None = None) -> 
       f"{'accel':>7s} {'err%':>6s}\n")
     for res in results:
         case = Case(**res["case"])
-        pred = predicted_categories(res["plan"])
         fullest = fullest_rank_states(res["ranks"])
         for rk in res["ranks"]:
             meas = measured_categories(rk)
+            stage_plan = res.get("stage_plans", {}).get(str(rk["rank"]))
+            pred = predicted_categories(stage_plan or res["plan"])
+            if stage_plan:
+                fullest = {c: meas[c] for c in STATES}
             err = {c: _pct(pred[c], meas[c]) for c in (*CATS, "total")}
             err.update({c: _pct(pred[c], fullest[c]) for c in STATES})
             cat_err = {c: (100.0 * (pred[c] - meas[c]) / max(meas["total"], 1)) for c in CATS}
@@ -461,6 +483,8 @@ def run(cases: list[Case], *, load: str | None = None, save: str | None = None, 
                 Path(save).write_text(json.dumps(list(measured.values())))
         res = dict(measured[key])
         res["plan"] = predict(case)
+        if case.strategy == "pp2":  # stages differ: each rank against its own stage's plan
+            res["stage_plans"] = {str(rk["rank"]): predict(case, rk["rank"]) for rk in res["ranks"]}
         res["baselines"] = baselines(case)
         results.append(res)
     log.write(f"{len(cases)} configs ({n_new} measured now) in {time.time() - t_start:.0f} s\n")
@@ -527,7 +551,7 @@ def overhead(steps: int = 100, case: Case | None = None, trace_every: int = 10, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a 6-config slice instead of the full 160-config matrix")
+    ap.add_argument("--quick", action="store_true", help="a 6-config slice instead of the full 192-config matrix")
     ap.add_argument("--save", help="write the measurements to this JSON file (appended as they finish)")
     ap.add_argument("--load", help="reuse measurements from this JSON file; measure only what is missing")
     ap.add_argument("--filter", help="only configs whose name contains this text")

@@ -73,13 +73,22 @@ def test_unknown_field_is_rejected_by_name(create_job, tenant):
     assert body["errors"] == [{"param": "training.lora_rank", "message": "unknown field", "code": "unknown_field"}]
 
 
-def test_pipeline_is_plannable_but_refused_as_a_job(create_job, tenant, client):
-    training = {"strategy": "pipeline", "pipeline": {"stages": 2}, "resources": {"num_workers": 2}}
-    body = assert_problem(create_job(tenant, training=training), 422, "unsupported_strategy", "training.strategy")
-    assert "not run yet" in body["errors"][0]["message"]
-    plan = client.post("/v1/memory/plan", headers=tenant.headers,
-                       json={"model": "preset:tiny-llama", "training": training})
-    assert plan.status_code == 200, plan.text
+def test_pipeline_rules_name_their_fields(create_job, tenant):
+    """Pipeline jobs are accepted; what cannot run is refused before any worker starts, by field."""
+    ok = create_job(tenant, training={"strategy": "pipeline", "pipeline": {"stages": 2}, "resources": {"num_workers": 4}})
+    assert ok.status_code == 200, ok.text
+    r = create_job(tenant, training={"strategy": "pipeline", "pipeline": {"stages": 2}, "resources": {"num_workers": 3}})
+    body = assert_problem(r, 422, "invalid_value", "training.pipeline.stages")
+    assert "multiple of pipeline stages" in body["errors"][0]["message"]
+    r = create_job(tenant, training={"strategy": "pipeline", "pipeline": {"stages": 2, "microbatches": 3},
+                                     "hyperparameters": {"micro_batch_size": 4}, "resources": {"num_workers": 2}})
+    assert_problem(r, 422, "invalid_value", "training.pipeline.microbatches")
+    r = create_job(tenant, training={"strategy": "pipeline", "pipeline": {"stages": 2}, "peft": {"method": "prompt_tuning"},
+                                     "resources": {"num_workers": 2}})
+    assert_problem(r, 422, "invalid_value", "training.peft.method")
+    r = create_job(tenant, training={"strategy": "pipeline", "pipeline": {"stages": 4}, "resources": {"num_workers": 4}})
+    body = assert_problem(r, 422, "invalid_value", "training.pipeline.stages")  # tiny-llama has 2 blocks
+    assert "at least 4 decoder blocks" in body["errors"][0]["message"]
 
 
 def test_server_owned_fields_cannot_be_set(create_job, tenant):

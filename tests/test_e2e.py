@@ -209,6 +209,33 @@ def test_fsdp_full_fine_tune_over_http_succeeds(stack):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
+def test_pipeline_job_over_http_survives_a_killed_stage_and_exports_one_model(stack, ray_head):
+    """Two pipeline stages on two Ray Train workers (LoRA): a stage's worker killed after the first
+    checkpoint, Ray Train restarts the group, each stage reloads its own file of that checkpoint, and the
+    job ends with one adapter folder and a merged model that from_pretrained loads."""
+    job_id = stack.create(strategy="pipeline", pipeline={"stages": 2, "schedule": "1f1b"},
+                          peft={"method": "lora", "r": 8}, hyperparameters={"max_steps": 16},
+                          checkpoint_every_steps=4, max_failures=2)
+    stack.wait_until(lambda: max(stack.metrics_steps(job_id), default=0) > 4, what="a step past the first checkpoint",
+                     job_id=job_id)
+    pids = stack.wait_until(lambda: train_worker_pids(ray_head), 60, "a Ray Train worker process", job_id=job_id)
+    os.kill(pids[-1], signal.SIGKILL)
+    job = stack.wait(job_id, ("succeeded",))
+    events = stack.events(job_id)
+    resumed = [e["data"]["step"] for e in events if e["message"].startswith("Resumed from the checkpoint of step")]
+    assert resumed and all(step % 4 == 0 for step in resumed), [e["message"] for e in events]
+    assert stack.metrics_steps(job_id) == list(range(1, 17))
+    losses = [e["data"]["train_loss"] for e in events if e["type"] == "metrics" and e["data"]["rank"] == 0]
+    assert losses[-1] < losses[0]
+    ckpt = stack.http.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=stack.auth).json()["data"][0]
+    assert sorted(p.name for p in Path(ckpt["fine_tuned_model_checkpoint"], "pipeline").iterdir()) == [
+        "stage-0.pt", "stage-1.pt"]
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(stack.artifacts(job)["merged"])
+    assert merged.config.num_hidden_layers == 2
+
+
 def test_cancel_a_queued_job_it_never_runs(stack):
     stack.stop_scheduler()
     try:

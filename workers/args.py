@@ -50,6 +50,7 @@ class TrainArgs:
     qat_scheme: str = "int8-dynamic-act-int4-weight"  # workers.strategies.qat.qat_base_config
     qat_group_size: int = 32
     pipeline_schedule: str = "1f1b"
+    pipeline_stages: int = 2
     pipeline_microbatches: int = 4
     checkpoint_every_steps: int = 50
     telemetry_every_steps: int = 1
@@ -119,7 +120,8 @@ def train_args(req: RunRequest, fail_at: str | None = None) -> TrainArgs:
         qat_scheme=t.qat.scheme,
         qat_group_size=t.qat.group_size,
         pipeline_schedule=t.pipeline.schedule,
-        pipeline_microbatches=t.pipeline.microbatches,
+        pipeline_stages=t.pipeline.stages,
+        pipeline_microbatches=r.pipeline_microbatches,
         checkpoint_every_steps=t.checkpoint_every_steps,
         telemetry_every_steps=t.telemetry_every_steps,
         memory_trace_every_steps=t.memory_trace_every_steps,

@@ -20,7 +20,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, args_dict: dict, out_dir: str, device: str) -> None:
+def _worker(rank: int, world_size: int, port: int, args_dict: dict, out_dir: str, device: str,
+            resume_dir: str | None = None) -> None:
     import torch.distributed as dist
 
     from workers.args import TrainArgs
@@ -33,25 +34,28 @@ def _worker(rank: int, world_size: int, port: int, args_dict: dict, out_dir: str
     dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world_size)
     try:
         env = WorkerEnv.local(device)
+        env.resume_dir = resume_dir
         artifacts = train(TrainArgs(**args_dict), env)
         torch.save({"reports": env.reports, "artifacts": artifacts}, Path(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run_local(args, world_size: int = 1, device: str = "cpu") -> list[dict]:
-    """Train with ``args`` (a TrainArgs) on ``world_size`` processes; returns each rank's
-    {"reports": [...], "artifacts": {...}}. World size 1 runs in this process."""
+def run_local(args, world_size: int = 1, device: str = "cpu", resume_dir: str | None = None) -> list[dict]:
+    """Train with ``args`` (a TrainArgs) on ``world_size`` processes, from the checkpoint in
+    ``resume_dir`` if given; returns each rank's {"reports": [...], "artifacts": {...}}. World size 1
+    runs in this process."""
     from workers.steps import WorkerEnv
     from workers.strategies import train
 
     if world_size == 1 and args.strategy != "deepspeed" and args.strategy != "fsdp":
         env = WorkerEnv.local(device)
+        env.resume_dir = resume_dir
         artifacts = train(args, env)
         return [{"reports": env.reports, "artifacts": artifacts}]
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(world_size, _free_port(), args.to_dict(), out, device), nprocs=world_size,
+        mp.start_processes(_worker, args=(world_size, _free_port(), args.to_dict(), out, device, resume_dir), nprocs=world_size,
                            join=True, start_method="spawn")
         return [torch.load(Path(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

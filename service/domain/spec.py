@@ -174,9 +174,13 @@ class DeepSpeedOptions(Strict):
 
 
 class PipelineOptions(Strict):
-    stages: int = Field(2, ge=2, le=128, description="Pipeline stages; one per worker.")
-    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="Pipeline schedule.")
-    microbatches: int = Field(4, ge=1, le=1024, description="Micro-batches in flight per step.")
+    stages: int = Field(2, ge=2, le=128, description=(
+        "Pipeline stages, one per worker; resources.num_workers is a multiple of it (the rest is data parallel)."))
+    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description=(
+        "Pipeline schedule: gpipe runs every chunk's forward before any backward; 1f1b holds at most `stages`."))
+    microbatches: int | None = Field(None, ge=1, le=1024, description=(
+        "Chunks each micro-batch is split into as it flows through the stages; divides micro_batch_size. "
+        "None: one row per chunk (micro_batch_size chunks)."))
 
 
 class PeftOptions(Strict):
@@ -306,6 +310,7 @@ class JobSpec(Strict):
             learning_rate=self.training.hyperparameters.learning_rate * multiplier,
             learning_rate_multiplier=multiplier,
             seed=self.seed if self.seed is not None else 42,
+            pipeline_microbatches=self.training.pipeline.microbatches or split.micro_batch_size,
         )
 
 
@@ -318,6 +323,7 @@ class Resolved(Strict):
     learning_rate: float
     learning_rate_multiplier: float
     seed: int
+    pipeline_microbatches: int = 1  # strategy pipeline: chunks per micro-batch
 
 
 # --- problems: each names its field -----------------------------------------------------------
@@ -411,7 +417,7 @@ def split_batch(spec: JobSpec) -> BatchSplit:
     """
     t = spec.training
     hp = t.hyperparameters
-    dp = t.resources.num_workers if t.strategy != StrategyName.pipeline else 1
+    dp = t.resources.num_workers if t.strategy != StrategyName.pipeline else max(1, t.resources.num_workers // t.pipeline.stages)
     batch = spec.openai_hyperparameters.batch_size
     if batch == "auto":
         return BatchSplit(hp.micro_batch_size, hp.gradient_accumulation_steps, dp)
@@ -587,12 +593,24 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
     if peft != PeftMethod.none and peft.value not in MERGEABLE_PEFT and t.peft.merge and "merge" in t.peft.model_fields_set:
         bad("peft.merge", f"{peft.value} adapters cannot be merged into the model; set merge to false")
     if peft in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning) and t.strategy == StrategyName.pipeline:
-        bad("peft.method", f"{peft.value} cannot be split into pipeline stages")
+        bad("peft.method", f"{peft.value} adds virtual tokens in front of the first stage's input; it cannot be "
+                           "split into pipeline stages (use lora, ia3, loha or lokr)")
     if t.strategy == StrategyName.pipeline:
-        if t.pipeline.stages != t.resources.num_workers:
-            bad("pipeline.stages", f"pipeline stages ({t.pipeline.stages}) must equal resources.num_workers ({t.resources.num_workers})")
-        if t.peft.method != PeftMethod.none:
-            bad("peft.method", "the pipeline strategy trains the full model; peft is not supported with it")
+        stages, workers = t.pipeline.stages, t.resources.num_workers
+        if workers % stages:
+            bad("pipeline.stages", f"resources.num_workers ({workers}) must be a multiple of pipeline stages "
+                                   f"({stages}): each data-parallel replica runs the whole pipeline")
+        if t.precision == Precision.fp16:
+            bad("precision", "the pipeline strategy runs in fp32 or bf16 (fp16's loss scaling would span stages)")
+        micro = split_batch(spec).micro_batch_size
+        chunks = t.pipeline.microbatches or micro
+        if micro % chunks:
+            bad("pipeline.microbatches", f"pipeline.microbatches ({chunks}) must divide the micro-batch of "
+                                         f"{micro} rows (training.hyperparameters.micro_batch_size)")
+        elif t.pipeline.schedule == "1f1b" and chunks < stages:
+            bad("pipeline.microbatches", f"the 1f1b schedule needs at least as many chunks per micro-batch as "
+                                         f"stages ({chunks} < {stages}): raise micro_batch_size or "
+                                         "pipeline.microbatches, or use schedule 'gpipe'")
     if t.qat.enabled and peft != PeftMethod.none:
         bad("qat.enabled", "QAT trains the full model; it cannot be combined with peft")
     if t.qat.enabled and t.strategy != StrategyName.ddp:

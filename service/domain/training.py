@@ -137,3 +137,47 @@ class DeepSpeedBuckets:
 def deepspeed_buckets(hidden: int, reduce_bucket_elements: int | None = None) -> DeepSpeedBuckets:
     bucket = int(reduce_bucket_elements or hidden * hidden)
     return DeepSpeedBuckets(bucket, bucket, int(0.9 * hidden * hidden), 10 * hidden)
+
+
+# --- pipeline stages ----------------------------------------------------------------------------
+
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")  # whose blocks workers/strategies/pipeline.py splits
+
+
+def pipeline_problem(family: str, num_layers: int, stages: int) -> str | None:
+    """Why a model cannot be split into ``stages`` pipeline stages, or None."""
+    if family not in PIPELINE_FAMILIES:
+        return (f"the pipeline strategy splits the blocks of {', '.join(PIPELINE_FAMILIES)} models; this model is "
+                f"{family!r} (use ddp, fsdp or deepspeed)")
+    if stages > num_layers:
+        return f"{stages} pipeline stages need at least {stages} decoder blocks; this model has {num_layers}"
+    return None
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """The decoder blocks each pipeline stage runs, in order: as even as the count allows, every stage
+    at least one block. Stage 0 also holds the embeddings and the last stage the final norm, the
+    LM head and the loss (whose fp32 logits are the largest activation of a small model), so the
+    blocks left over after the even share go to the middle stages first, then to the first stage,
+    and only then to the last. The planner sizes each stage by this split; the workers build it."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"{stages} pipeline stages need 1..{num_layers} decoder blocks each at least one")
+    counts = [num_layers // stages] * stages
+    order = [*range(1, stages - 1), 0, stages - 1] if stages > 1 else [0]
+    for k in order[: num_layers % stages]:
+        counts[k] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak: GPipe runs every forward before
+    any backward (all of them); 1F1B warms up with ``stages - stage`` forwards and then alternates
+    one forward with one backward, so stage k never holds more than that (torch.distributed.pipelining
+    schedules.py, Schedule1F1B's warm-up count)."""
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, stages - stage)

@@ -163,12 +163,6 @@ def create_job(
     return Created(status_code=200, body=answer, job=job)
 
 
-NOT_RUNNABLE_STRATEGIES = {
-    "pipeline": "strategy 'pipeline' can be planned (POST /v1/memory/plan) but not run yet; "
-    "use 'fsdp' or 'deepspeed' with zero_stage 3 to split model state across workers",
-}
-
-
 def _new_job(session: Session, principal: Principal, settings: Settings, body: Any, known_gpus: set[str] | None) -> Job:
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object", code="invalid_json")
@@ -176,11 +170,6 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
         spec = validate_spec(body, known_gpus)
     except SpecError as exc:
         raise SpecInvalid([p.model_dump() for p in exc.problems]) from None
-    if spec.training.strategy.value in NOT_RUNNABLE_STRATEGIES:
-        # The planner answers for pipeline stages (POST /v1/memory/plan), but no worker runs them yet:
-        # refuse the job now rather than let it fail on the cluster.
-        raise SpecInvalid([{"param": "training.strategy", "code": "unsupported_strategy",
-                            "message": NOT_RUNNABLE_STRATEGIES[spec.training.strategy.value]}])
     try:
         resolve_model(spec.model, settings.model_dirs)
     except ModelRefError as exc:  # the API answers every model problem as invalid_model; the message says which

@@ -27,7 +27,7 @@ figures are the fullest rank's: the one that runs out of memory first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from service.domain.plan import (
@@ -44,7 +44,16 @@ from service.domain.spec import (
     StrategyName,
     check_rules,
 )
-from service.domain.training import deepspeed_buckets, dtype_bytes, feedforward_targets, lora_targets, regime
+from service.domain.training import (
+    deepspeed_buckets,
+    dtype_bytes,
+    feedforward_targets,
+    in_flight_microbatches,
+    lora_targets,
+    pipeline_problem,
+    regime,
+    stage_layers,
+)
 from service.memory.gpus import GPU, MiB, get_gpu
 from service.memory.shape import ModelShape
 
@@ -101,11 +110,13 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
 
 
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
-                attention: str = "sdpa", zero3_linear: bool = False) -> Activations:
+                attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
     saves the input even when the weight is frozen (LoRA's base), wherever the input needs a gradient.
+    ``input_grad``: the first block's input needs a gradient whatever trains (a pipeline stage after
+    the first receives its input from the stage before and sends its gradient back).
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -143,7 +154,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     for idx in range(shape.num_layers):
         # LoRA: the frozen embedding's output needs no gradient, except under ZeRO-3, whose module hooks
         # hand every block an input that requires one (measured: block 0 then saves as the others do)
-        in_grad = full or idx > 0 or zero3_linear
+        in_grad = full or idx > 0 or zero3_linear or input_grad
         n = 0
         if shape.family == "gpt2":
             ln_in = (T * h * res if in_grad else 0) + 2 * small
@@ -211,6 +222,72 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     return Activations(layer, final, loss_saved, logits, loss_copy, 2 * T * V * 4, ckpt_layer, bwd_temp)
 
 
+# --- pipeline stages -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageView:
+    """One pipeline stage as its rank holds it (workers/strategies/pipeline.py builds the same split)."""
+
+    index: int
+    blocks: range
+    parameters: int  # bytes
+    gradients: int
+    optimizer_states: int
+    act: Activations  # one chunk's, through this stage's blocks (and the loss on the last stage)
+    in_flight: int  # chunks whose activations the stage holds at its peak
+    largest_trainable: int  # elements of the largest tensor the optimizer updates
+
+
+def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | None, Pt: int, b: int,
+                    s: int) -> list[StageView]:
+    """Each stage's model states and activations. Stage 0 holds the embeddings, the last stage the final
+    norm and the LM head — and, when the two are tied, its own copy of the shared weight, trained on
+    both ends. Activations are one chunk's (``b / pipeline.microbatches`` rows) times the chunks in
+    flight at the stage's peak (service/domain/training.py: in_flight_microbatches); a stage after the
+    first keeps its first block's input for the gradient it sends back, as a block after the first does."""
+    t = spec.training
+    stages = t.pipeline.stages
+    chunks = spec.resolved().pipeline_microbatches
+    rows = max(1, b // chunks)
+    full = targets is None
+    adapter_numels = [] if full else _trainable_numels(spec, shape, targets)
+    adapter_per_block = 0 if full else Pt // max(shape.num_layers, 1)
+    sizes = ACTIVATION_SIZES[rg.name]
+    views = []
+    for k, blocks in enumerate(stage_layers(shape.num_layers, stages)):
+        first, last = k == 0, k == stages - 1
+        n = len(blocks)
+        held = n * shape.layer_params()
+        held += shape.embedding_params() if first else 0
+        held += shape.norm_params() + shape.vocab * shape.hidden if last else 0
+        trained = held if full else n * adapter_per_block
+        frozen = 0 if full else held
+        act = activations(replace(shape, num_layers=n), rows, s, sizes, targets, t.peft.r, t.attention,
+                          input_grad=not first)
+        # torch.distributed.pipelining's stage keeps each chunk's output until that chunk's backward
+        # (stage.py: fwd_cache, which backward_one_chunk runs autograd from): the residual stream sent on,
+        # or on the last stage the logits, which the plain loop frees once the loss has them.
+        if not last:  # no final norm, head or loss here: the rotary tables (and the first stage's token ids)
+            rotary = 0 if shape.family == "gpt2" else 2 * s * shape.head_dim * sizes.residual
+            output = rows * s * shape.hidden * sizes.residual
+            # backward starts at the stage's last block with all its chunks' activations live: the
+            # gradient received from the next stage and the block's own gradients in flight
+            act = replace(act, final_bytes=rotary + (rows * s * 8 if first else 0) + output, loss_saved_bytes=0,
+                          logits_bytes=0, loss_copy_bytes=0,
+                          loss_grad_bytes=act.layer_backward_temp_bytes + rows * s * shape.hidden * 4)
+        else:
+            ids = 0 if first else rows * s * 8  # the token ids stay on stage 0
+            act = replace(act, final_bytes=act.final_bytes - ids + act.logits_bytes, logits_bytes=0)
+        largest = max(shape.layer_params(), shape.vocab * shape.hidden if (first or last) else 0) if full \
+            else max(adapter_numels, default=1)
+        views.append(StageView(
+            k, blocks, frozen * dtype_bytes(rg.frozen_dtype) + trained * dtype_bytes(rg.trainable_dtype),
+            trained * dtype_bytes(rg.grad_dtype), trained * 2 * dtype_bytes(rg.optimizer_dtype), act,
+            in_flight_microbatches(t.pipeline.schedule, stages, k, chunks), largest))
+    return views
+
+
 # --- model states --------------------------------------------------------------------------------
 
 
@@ -221,11 +298,12 @@ def trainable_parameters(spec: JobSpec, shape: ModelShape) -> int:
 
 
 def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size: int | None = None,
-         safety_margin: float = 0.10) -> Plan:
+         safety_margin: float = 0.10, stage: int | None = None) -> Plan:
     """Per-rank memory of ``spec`` training ``shape``; ``gpu`` (catalogue name) or the spec's gpu_type.
 
     On CPU workers (no GPU) the "device" is host memory: the capacity is the host budget when one is
-    set, else ``DEFAULT_HOST_BYTES``, and offloaded state lands in the same RAM.
+    set, else ``DEFAULT_HOST_BYTES``, and offloaded state lands in the same RAM. A pipeline's plan is
+    its fullest stage's, or stage ``stage``'s when given (the accuracy benchmark compares every rank).
     """
     t = spec.training
     gpu = gpu or t.resources.gpu_type
@@ -272,12 +350,22 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     comm = 0  # communication buckets
     opt_temp_unit = max(_largest_trainable(spec, shape, targets), 1) * 4
 
-    if strategy in ("ddp", "pipeline"):
-        stages = N if strategy == "pipeline" else 1
-        dev.parameters = base_param_bytes // stages
-        dev.gradients = grads_full // stages
-        dev.optimizer_states = opt // stages
-        if strategy == "ddp" and N > 1:
+    stage_views: list[StageView] = []
+    if strategy == "pipeline":
+        problem = pipeline_problem(shape.family, shape.num_layers, t.pipeline.stages)
+        if problem:
+            from service.domain.errors import SpecInvalid
+
+            raise SpecInvalid([{"param": "training.pipeline.stages", "message": problem, "code": "invalid_value"}])
+        stage_views = pipeline_stages(spec, shape, rg, targets, Pt, b, s)
+        assumptions.append(f"pipeline: {t.pipeline.stages} stages × {N // t.pipeline.stages} data-parallel "
+                           f"replica(s), {t.pipeline.schedule}, {spec.resolved().pipeline_microbatches} chunk(s) per "
+                           "micro-batch; the fullest stage is shown")
+    elif strategy == "ddp":
+        dev.parameters = base_param_bytes
+        dev.gradients = grads_full
+        dev.optimizer_states = opt
+        if N > 1:
             comm = grads_full  # DDP's gradient buckets: a second fp32 copy of every trainable gradient
             assumptions.append("DDP keeps gradient buckets (one fp32 copy of the trainable gradients)")
     elif strategy == "fsdp":
@@ -352,36 +440,53 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         raise ValueError(f"unknown strategy {strategy!r}")
 
     # --- activations and the peak ----------------------------------------------------------
-    act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
-                      zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3)
-    A = act.saved(t.gradient_checkpointing)
-    state = ModelStatesPerRank(
-        device=ModelStates(parameters=dev.parameters, gradients=dev.gradients, optimizer_states=dev.optimizer_states),
-        host=ModelStates(parameters=host.parameters, gradients=host.gradients, optimizer_states=host.optimizer_states))
-    dev_state = dev.parameters + dev.optimizer_states  # live on the device all step long
-    host_state = host.parameters + host.gradients + host.optimizer_states
-    shared = 0 if on_gpu else host_state  # a CPU worker's "device" is the same RAM as its host
-    g_all = dev.gradients
-    # Gradients live in forward: earlier micro-batches' (accumulation), or ZeRO-3's flat gradient
-    # partition buffer, which DeepSpeed allocates once and keeps (measured).
-    g_fwd = g_all if (accum > 1 or (strategy == "deepspeed" and ds.zero_stage == 3)) else 0
-    offloaded_step = ds.offload_optimizer == "cpu" and strategy == "deepspeed" or (strategy == "fsdp" and t.fsdp.cpu_offload)
-    # DeepSpeed ZeRO ≥ 1: the fp32 master partition gets a flattened fp32 copy of its gradients for the step.
-    master_grad = (Pt // N) * 4 if (strategy == "deepspeed" and ds.zero_stage >= 1) else 0
-    step_temp = master_grad + 2 * opt_temp_unit
-    host.temporary = step_temp if (offloaded_step and on_gpu) else 0
-    # (gradients live, activations live, temporaries) at each candidate instant
-    cands: dict[str, tuple[int, int, int]] = {
-        "forward": (g_fwd, A,
-                    gathered + act.logits_bytes + act.loss_copy_bytes),
-        "backward": (g_fwd, A, gathered + act.loss_grad_bytes),
-    }
-    if t.gradient_checkpointing:
-        cands["backward_recompute"] = (g_all, A - act.loss_saved_bytes + max(act.layer_bytes),
-                                       gathered_layer + act.layer_backward_temp_bytes)
-    cands["backward_end"] = (g_all, 0, gathered_layer + comm + opt_temp_unit // 4)
-    cands["optimizer"] = (g_all, 0, 0 if (offloaded_step and on_gpu) else step_temp)
-    phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
+    if stage_views:  # every stage is planned; the fullest decides
+        options = [(v, v.act, v.in_flight * v.act.saved(t.gradient_checkpointing)) for v in stage_views
+                   if stage is None or v.index == stage]
+    else:
+        act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
+                          zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3)
+        options = [(None, act, act.saved(t.gradient_checkpointing))]
+    fullest = None
+    for view, act, A in options:
+        if view is not None:
+            dev.parameters, dev.gradients, dev.optimizer_states = view.parameters, view.gradients, view.optimizer_states
+            opt_temp_unit = view.largest_trainable * 4
+        state = ModelStatesPerRank(
+            device=ModelStates(parameters=dev.parameters, gradients=dev.gradients, optimizer_states=dev.optimizer_states),
+            host=ModelStates(parameters=host.parameters, gradients=host.gradients, optimizer_states=host.optimizer_states))
+        dev_state = dev.parameters + dev.optimizer_states  # live on the device all step long
+        host_state = host.parameters + host.gradients + host.optimizer_states
+        shared = 0 if on_gpu else host_state  # a CPU worker's "device" is the same RAM as its host
+        g_all = dev.gradients
+        # Gradients live in forward: earlier micro-batches' (accumulation), ZeRO-3's flat gradient
+        # partition buffer, which DeepSpeed allocates once and keeps (measured), or a 1F1B stage's
+        # earlier chunks' (it runs backwards between forwards once its warm-up is done).
+        chunked = view is not None and t.pipeline.schedule == "1f1b" and spec.resolved().pipeline_microbatches > view.in_flight
+        g_fwd = g_all if (accum > 1 or (strategy == "deepspeed" and ds.zero_stage == 3) or chunked) else 0
+        offloaded_step = ds.offload_optimizer == "cpu" and strategy == "deepspeed" or (strategy == "fsdp" and t.fsdp.cpu_offload)
+        # DeepSpeed ZeRO ≥ 1: the fp32 master partition gets a flattened fp32 copy of its gradients for the step.
+        master_grad = (Pt // N) * 4 if (strategy == "deepspeed" and ds.zero_stage >= 1) else 0
+        step_temp = master_grad + 2 * opt_temp_unit
+        host.temporary = step_temp if (offloaded_step and on_gpu) else 0
+        # (gradients live, activations live, temporaries) at each candidate instant
+        cands: dict[str, tuple[int, int, int]] = {
+            "forward": (g_fwd, A,
+                        gathered + act.logits_bytes + act.loss_copy_bytes),
+            "backward": (g_fwd, A, gathered + act.loss_grad_bytes),
+        }
+        if t.gradient_checkpointing:
+            cands["backward_recompute"] = (g_all, A - act.loss_saved_bytes + max(act.layer_bytes),
+                                           gathered_layer + act.layer_backward_temp_bytes)
+        cands["backward_end"] = (g_all, 0, gathered_layer + comm + opt_temp_unit // 4)
+        cands["optimizer"] = (g_all, 0, 0 if (offloaded_step and on_gpu) else step_temp)
+        phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
+        if view is not None:
+            assumptions.append(f"stage {view.index}: blocks {view.blocks.start}–{view.blocks.stop - 1}, "
+                               f"{view.in_flight} chunk(s) in flight, peak {max(phases.values()) / MiB:.1f} MiB")
+        if fullest is None or max(phases.values()) > max(fullest[-1].values()):
+            fullest = (view, A, state, dev.model_copy(), host.model_copy(), cands, phases)
+    _, A, state, dev, host, cands, phases = fullest
     peak_phase = max(phases, key=lambda k: phases[k])
     dev.gradients, dev.activations, dev.temporary = cands[peak_phase]
     if on_gpu:

@@ -63,13 +63,16 @@ class Setup:
     notices: list[dict] = field(default_factory=list)
 
 
-def prepare(args: TrainArgs, env: WorkerEnv) -> Setup:
+def prepare(args: TrainArgs, env: WorkerEnv, data_parallel: tuple[int, int] | None = None) -> Setup:
+    """Data, tokenizer and step count. ``data_parallel`` = (replicas, this rank's replica) where they
+    are not the world (pipeline stages of one replica read the same rows)."""
     torch.manual_seed(args.seed)
     model_dir = resolve_model_dir(args.model, args.model_path)
     tokenizer = load_tokenizer(model_dir)
     train = load_dataset(args.training_path, tokenizer, args.max_seq_length, args.packing)
     val = load_dataset(args.validation_path, tokenizer, args.max_seq_length) if args.validation_path else None
-    sampler = StepSampler(len(train), args.micro_batch_size, args.accumulation, env.world_size, args.seed)
+    replicas = data_parallel[0] if data_parallel else env.world_size
+    sampler = StepSampler(len(train), args.micro_batch_size, args.accumulation, replicas, args.seed)
     return Setup(model_dir, tokenizer, train, val, sampler, sampler.total_steps(args.n_epochs, args.max_steps),
                  data_notices(args, train))
 

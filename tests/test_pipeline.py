@@ -1,0 +1,160 @@
+"""Pipeline parallelism (workers/strategies/pipeline.py) on gloo processes: the same update as DDP
+over the same global batch (both schedules, tied and untied embeddings, dp × pp), LoRA, resume from
+the per-stage checkpoint, and an export that from_pretrained loads with the trained model's logits.
+The HTTP and Ray path is tests/test_e2e.py -k pipeline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from service.domain.training import in_flight_microbatches, stage_layers  # noqa: E402
+from workers.args import TrainArgs  # noqa: E402
+from workers.local import run_local  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _preset_cache(tmp_path_factory):
+    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _args(out: Path, **kw) -> TrainArgs:
+    base = dict(job_id="ftjob-pp", output_dir=str(out), training_path=str(EXAMPLES / "chat.jsonl"),
+                model="preset:tiny-llama", learning_rate=1e-2, warmup_steps=2, micro_batch_size=4, accumulation=2,
+                max_steps=4, max_seq_length=64, checkpoint_every_steps=100, telemetry_every_steps=1,
+                memory_trace_every_steps=1000)
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+def _losses(ranks: list[dict]) -> list[float]:
+    return [r["loss"] for r in ranks[0]["reports"] if r.get("kind") == "metrics"]
+
+
+def _pipeline(out: Path, stages: int = 2, **kw) -> TrainArgs:
+    return _args(out, strategy="pipeline", pipeline_stages=stages, pipeline_microbatches=kw.pop("chunks", 2), **kw)
+
+
+def test_stage_split_is_even_and_keeps_the_ends_light():
+    assert [len(r) for r in stage_layers(2, 2)] == [1, 1]
+    assert [len(r) for r in stage_layers(5, 2)] == [3, 2]  # the extra block goes to the first, not the head's stage
+    assert [len(r) for r in stage_layers(7, 3)] == [2, 3, 2]  # ... and to the middle before either end
+    assert [list(r) for r in stage_layers(4, 4)] == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError):
+        stage_layers(2, 3)
+    assert in_flight_microbatches("gpipe", 4, 0, 8) == 8
+    assert [in_flight_microbatches("1f1b", 4, k, 8) for k in range(4)] == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("model,schedule", [("preset:tiny-llama", "1f1b"), ("preset:tiny-llama", "gpipe"),
+                                            ("preset:tiny-gpt2", "1f1b")])
+def test_pipeline_trains_exactly_as_ddp(tmp_path, model, schedule):
+    """Two stages over the same global batch give DDP's losses step for step: the loss scaling, the
+    accumulation over schedule runs, the gradient norm over stages and (GPT-2) the tied embedding
+    whose two gradients live on the first and the last stage."""
+    ddp = _losses(run_local(_args(tmp_path / "ddp", model=model), world_size=1))
+    pp = _losses(run_local(_pipeline(tmp_path / "pp", model=model, pipeline_schedule=schedule), world_size=2))
+    assert len(pp) == 4 and pp[-1] < pp[0]
+    assert pp == pytest.approx(ddp, rel=1e-5)
+
+
+def test_two_replicas_of_a_two_stage_pipeline_match_ddp_on_two_ranks(tmp_path):
+    """A 2 × 2 mesh (dp × pp): the replicas sum their gradients per stage, as DDP's two ranks do."""
+    ddp = _losses(run_local(_args(tmp_path / "ddp", model="preset:tiny-gpt2", micro_batch_size=2), world_size=2))
+    pp = _losses(run_local(_pipeline(tmp_path / "pp", model="preset:tiny-gpt2", micro_batch_size=2), world_size=4))
+    assert pp == pytest.approx(ddp, rel=1e-5)
+
+
+def test_lora_with_checkpointing_matches_ddp_and_exports_an_adapter(tmp_path):
+    kw = dict(peft_method="lora", gradient_checkpointing=True, learning_rate=5e-2)
+    ddp = _losses(run_local(_args(tmp_path / "ddp", **kw), world_size=1))
+    ranks = run_local(_pipeline(tmp_path / "pp", **kw), world_size=2)
+    assert _losses(ranks) == pytest.approx(ddp, rel=1e-5)
+    assert ranks[0]["artifacts"] == {"adapter": "adapter", "merged": "merged"}
+    assert (tmp_path / "pp" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_bf16_pipeline_trains(tmp_path):
+    losses = _losses(run_local(_pipeline(tmp_path / "pp", precision="bf16", max_steps=6), world_size=2))
+    assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+def test_resume_from_the_per_stage_checkpoint_repeats_the_uninterrupted_run(tmp_path):
+    full = _losses(run_local(_pipeline(tmp_path / "full", max_steps=6), world_size=2))
+    first = run_local(_pipeline(tmp_path / "first", max_steps=6, checkpoint_every_steps=3), world_size=2)
+    step3 = tmp_path / "first" / "checkpoints" / "step-3"
+    assert sorted(p.name for p in (step3 / "pipeline").iterdir()) == ["stage-0.pt", "stage-1.pt"]
+    resumed = run_local(_pipeline(tmp_path / "resumed", max_steps=6), world_size=2, resume_dir=str(step3))
+    steps = {r["step"]: r["loss"] for r in resumed[0]["reports"] if r.get("kind") == "metrics"}
+    assert sorted(steps) == [4, 5, 6]
+    assert [steps[s] for s in (4, 5, 6)] == pytest.approx(full[3:], rel=1e-5)
+    assert _losses(first) == pytest.approx(full, rel=1e-5)
+
+
+def test_export_is_one_folder_with_the_trained_logits(tmp_path):
+    """The stages' weights gathered into one Hugging Face folder: from_pretrained loads it and gives the
+    logits of the DDP run's export, which trained the same steps on the same data."""
+    from transformers import AutoModelForCausalLM
+
+    run_local(_args(tmp_path / "ddp", model="preset:tiny-gpt2"), world_size=1)
+    run_local(_pipeline(tmp_path / "pp", model="preset:tiny-gpt2"), world_size=2)
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp" / "model")(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "model")(ids).logits
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+# --- the planner's stages ---------------------------------------------------------------------------
+
+
+def _plan(training: dict, model: str = "preset:small-llama", stage: int | None = None):
+    from service.domain.model_ref import resolve_model
+    from service.domain.spec import JobSpec
+    from service.memory.planner import plan
+    from service.memory.shape import shape_for_model
+
+    spec = JobSpec.model_validate({"model": model, "training_file": "file-x", "training": training})
+    return plan(spec, shape_for_model(resolve_model(spec.model, ())), None, stage=stage)
+
+
+PP = {"strategy": "pipeline", "pipeline": {"stages": 2}, "resources": {"num_workers": 2},
+      "hyperparameters": {"micro_batch_size": 4, "max_seq_length": 256}}
+
+
+def test_each_stage_holds_its_blocks_and_its_end_of_the_model():
+    """small-qwen2 (tied embeddings): stage 0 the embedding and blocks 0–1, stage 1 blocks 2–3, the final
+    norm and its own copy of the shared weight as the LM head; together one more embedding than DDP."""
+    from service.domain.model_ref import resolve_model
+    from service.memory.shape import shape_for_model
+
+    shape = shape_for_model(resolve_model("preset:small-qwen2", ()))
+    first, last = (_plan(PP, "preset:small-qwen2", stage=k).model_states.device for k in (0, 1))
+    embedding = shape.vocab * shape.hidden * 4
+    assert first.parameters == (2 * shape.layer_params() * 4) + embedding
+    assert last.parameters == (2 * shape.layer_params() + shape.hidden) * 4 + embedding
+    assert first.parameters + last.parameters == shape.parameter_count() * 4 + embedding
+    assert last.optimizer_states == 2 * last.gradients == 2 * last.parameters
+
+
+def test_gpipe_keeps_every_chunk_and_1f1b_at_most_the_stages():
+    gpipe = _plan({**PP, "pipeline": {"stages": 2, "schedule": "gpipe"}}, stage=0)
+    one_f_one_b = _plan(PP, stage=0)
+    assert gpipe.activations_saved_bytes == 2 * one_f_one_b.activations_saved_bytes  # 4 chunks vs 2 in flight
+    fullest = _plan(PP)
+    assert fullest.peak_bytes == max(_plan(PP, stage=k).peak_bytes for k in (0, 1))
+
+
+def test_a_pipeline_longer_than_the_model_is_refused_by_field():
+    from service.domain.errors import SpecInvalid
+
+    with pytest.raises(SpecInvalid) as exc:
+        _plan({**PP, "pipeline": {"stages": 4}, "resources": {"num_workers": 4}}, "preset:tiny-llama")
+    assert exc.value.param == "training.pipeline.stages" and "at least 4 decoder blocks" in str(exc.value)
