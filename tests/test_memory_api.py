@@ -296,3 +296,10 @@ def test_a_cpu_job_over_its_host_memory_budget_fails_out_of_memory_with_a_post_m
     assert any(m.startswith("memory pre-flight: predicted peak") for m in messages)
     view = stack.http.get(f"/v1/fine_tuning/jobs/{job_id}/memory", headers=stack.auth).json()
     assert view["has_plan"] and view["plan"]["capacity_bytes"] == budget
+
+
+def test_a_pipeline_with_more_stages_than_blocks_is_a_422_naming_stages(client, tenant):
+    r = plan(client, tenant, {"model": "preset:tiny-llama", "training": {
+        "strategy": "pipeline", "pipeline": {"stages": 4}, "resources": {"num_workers": 4}}})
+    assert r.status_code == 422, r.text
+    assert r.json()["param"] == "training.pipeline.stages" and "2" in r.json()["errors"][0]["message"]
