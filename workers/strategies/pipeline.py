@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from service.domain.training import PIPELINE_FAMILIES, stage_layers
+from service.domain.training import pipeline_problem, stage_layers
 from workers import checkpoint as ckpt
 from workers.args import TrainArgs
-from workers.data import StepSampler, TokenizedData, eval_batches, step_batches
+from workers.data import TokenizedData, eval_batches, step_batches
 from workers.steps import (
     OOM_ERRORS,
     Progress,
@@ -67,9 +67,9 @@ class PipelineStageModule(torch.nn.Module):
         super().__init__()
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         family = lm.config.model_type
-        if family not in PIPELINE_FAMILIES:
-            raise ValueError(f"training.strategy 'pipeline' splits the blocks of {', '.join(PIPELINE_FAMILIES)} "
-                             f"models; this model is {family!r}")
+        problem = pipeline_problem(family, lm.config.num_hidden_layers, stages)  # the planner's rule, for models it could not read
+        if problem:
+            raise ValueError(problem)
         self.config, self.family, self.amp_dtype = lm.config, family, amp_dtype
         self.first, self.last = index == 0, index == stages - 1
         names = {id(m): n for n, m in model.named_modules()}
