@@ -110,6 +110,22 @@ PRESETS: dict[str, dict] = {
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
     },
+    # The held-out family of bench/holdout_matrix.py: Qwen3 adds an RMSNorm over head_dim on q and k.
+    "small-qwen3": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 8000,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+    },
 }
 
 
