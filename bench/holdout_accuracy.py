@@ -113,8 +113,8 @@ def measure(case: HoldoutCase, folder: Path) -> dict:
     seconds = time.perf_counter() - t0
     measured = []
     for rank, result in enumerate(ranks):
-        traced = [r for r in result["reports"] if r.get("kind") == "memory" and r.get("phase") == "step"
-                  and r.get("source") == "profiler" and r["step"] >= 3]
+        samples = [m for r in result["reports"] if r.get("kind") == "metrics" for m in r.get("memory", ())]
+        traced = [r for r in samples if r.get("phase") == "step" and r.get("source") == "profiler" and r["step"] >= 3]
         if not traced:
             raise RuntimeError(f"{case.name}: rank {rank} traced no step ≥ 3")
         best = max(traced, key=lambda r: r["peak_bytes"])
