@@ -110,13 +110,16 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
 
 
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
-                attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False) -> Activations:
+                attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
+                padded: bool = False) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
     saves the input even when the weight is frozen (LoRA's base), wherever the input needs a gradient.
     ``input_grad``: the first block's input needs a gradient whatever trains (a pipeline stage after
     the first receives its input from the stage before and sends its gradient back).
+    ``padded``: the micro-batch holds rows shorter than its width (workers/data.py: collate pads them), so
+    the model hands SDPA a padding mask instead of ``is_causal`` — see ``padding_mask_bytes``.
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -160,6 +163,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             ln_in = (T * h * res if in_grad else 0) + 2 * small
             n += ln_in + linear_input(res if not regime.casts else 4, ["c_attn"], h)
             n += T * 3 * h * a + T * h * a + shape.num_heads * T * 4  # q,k,v (one c_attn storage), out, lse
+            n += padding_mask_bytes(shape, b, s, a) if padded and attention == "sdpa" else 0
             n += lora_extra(["c_attn", "c_proj"])
             n += T * h * res + 2 * small  # ln_2 input
             n += linear_input(res if not regime.casts else 4, ["c_fc"], h)
@@ -182,6 +186,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 n += T * qd * 2  # o_proj's adapter: PEFT's fp32 copy of the attention output, cast again (measured)
             # attention: SDPA keeps q, k, v after rotary, its output (= o_proj's input) and the lse
             n += T * qd * a + 2 * T * kvd * a + T * qd * a + b * shape.num_heads * s * 4
+            if padded and attention == "sdpa":
+                n += padding_mask_bytes(shape, b, s, a)
             if attention == "eager":
                 probs = b * shape.num_heads * s * s
                 n += probs * 4 + (probs * 2 if regime.act == 2 else 0)
@@ -220,6 +226,18 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     ckpt_layer = T * h * res
     bwd_temp = 2 * T * i * a + 2 * T * h * 4
     return Activations(layer, final, loss_saved, logits, loss_copy, 2 * T * V * 4, ckpt_layer, bwd_temp)
+
+
+def padding_mask_bytes(shape: ModelShape, b: int, s: int, a: int) -> int:
+    """What a padded micro-batch adds to one block's SDPA, beyond a causal one. transformers builds a
+    boolean b×1×s×s mask when any row is padded (masking_utils.sdpa_mask skips it only when none is), and
+    then (integrations/sdpa_attention.py: use_gqa_in_sdpa wants ``attention_mask is None``) gives SDPA
+    every head's keys and values through repeat_kv, which SDPA keeps for backward instead of the kv heads:
+    2·T·(q_dim − kv_dim) elements. torch's SDPA converts the boolean mask to an additive one in the query's
+    dtype (aten/src/ATen/native/transformers/attention.cpp: convert_boolean_attn_mask), a new b×s×s tensor
+    in every block, which the kernel keeps for its backward (measured on CPU: small-llama, chat rows)."""
+    T = b * s
+    return b * s * s * a + 2 * T * (shape.q_dim - shape.kv_dim) * a
 
 
 # --- pipeline stages -----------------------------------------------------------------------------
@@ -298,12 +316,16 @@ def trainable_parameters(spec: JobSpec, shape: ModelShape) -> int:
 
 
 def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size: int | None = None,
-         safety_margin: float = 0.10, stage: int | None = None) -> Plan:
+         safety_margin: float = 0.10, stage: int | None = None, seq_length: int | None = None,
+         padded: bool = False) -> Plan:
     """Per-rank memory of ``spec`` training ``shape``; ``gpu`` (catalogue name) or the spec's gpu_type.
 
     On CPU workers (no GPU) the "device" is host memory: the capacity is the host budget when one is
     set, else ``DEFAULT_HOST_BYTES``, and offloaded state lands in the same RAM. A pipeline's plan is
     its fullest stage's, or stage ``stage``'s when given (the accuracy benchmark compares every rank).
+    ``seq_length``: the padded width of the widest micro-batch when the data is known (service/memory/data.py),
+    else every row is padded to ``max_seq_length``; ``padded``: that micro-batch holds shorter rows, so
+    attention runs with a padding mask (not on a pipeline, whose stages run causal attention unmasked).
     """
     t = spec.training
     gpu = gpu or t.resources.gpu_type
@@ -312,7 +334,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     N = int(world_size or t.resources.num_workers)
     resolved = spec.resolved()
     b, accum = resolved.micro_batch_size, resolved.gradient_accumulation_steps
-    s = t.hyperparameters.max_seq_length
+    s = t.hyperparameters.max_seq_length if seq_length is None else seq_length
     if t.peft.method == PeftMethod.prompt_tuning or t.peft.method == PeftMethod.prefix_tuning:
         s += t.peft.num_virtual_tokens if t.peft.method == PeftMethod.prompt_tuning else 0
     Pt = trainable_parameters(spec, shape)
@@ -322,12 +344,18 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     targets = _lora_targets(spec, shape)
     rg = regime(t.strategy.value, t.peft.method.value, t.precision.value)
     assumptions: list[str] = [
-        f"sequences padded to max_seq_length={s}, micro-batch {b}, {accum} accumulation step(s)",
+        (f"sequences padded to max_seq_length={s}, micro-batch {b}, {accum} accumulation step(s)" if seq_length is None
+         else f"rows padded to the longest row of the training data, {s} tokens (max_seq_length="
+              f"{t.hyperparameters.max_seq_length}), micro-batch {b}, {accum} accumulation step(s)"),
         "AdamW: two fp32 moments per trainable parameter",
         f"activations: {rg.name} regime, {t.attention} attention, "
         f"{'checkpointing every block' if t.gradient_checkpointing else 'no checkpointing'}",
     ]
     strategy = t.strategy.value
+    padded = padded and strategy != "pipeline"  # the stages run causal attention without the padding mask
+    if padded:
+        assumptions.append("the widest micro-batch holds shorter rows: attention runs with a padding mask "
+                           "(every head's keys and values and an additive mask kept per block)")
     ds = t.deepspeed
     qlora = t.peft.method == PeftMethod.qlora
 
@@ -445,7 +473,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                    if stage is None or v.index == stage]
     else:
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
-                          zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3)
+                          zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded)
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
@@ -639,7 +667,7 @@ def _candidates(spec: JobSpec, gpu: str | None) -> list[tuple[str, str, int, dic
 
 
 def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
-            limit: int = 8) -> list[Change]:
+            limit: int = 8, seq_length: int | None = None, padded: bool = False) -> list[Change]:
     """Changes that would make ``spec`` fit, cheapest first, each with its predicted peak.
 
     Single changes first; when none fits alone, cumulative combinations in cost order (e.g. bf16,
@@ -650,7 +678,7 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
     for name, desc, cost, patch in _candidates(spec, gpu):
         try:
             s2 = _patched(spec, patch)
-            p = plan(s2, shape, gpu, safety_margin=safety_margin)
+            p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded)
         except Exception:  # noqa: BLE001 - a candidate the spec rules refuse is simply not offered
             continue
         singles.append((name, desc, cost, patch, p))
@@ -668,10 +696,11 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
         trial = {**combo_patch, **patch}
         try:
             s2 = _patched(spec, trial)
-            p = plan(s2, shape, gpu, safety_margin=safety_margin)
+            p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded)
         except Exception:  # noqa: BLE001
             continue
-        if len(names) >= 1 and p.peak_bytes >= plan(_patched(spec, combo_patch), shape, gpu).peak_bytes:
+        if len(names) >= 1 and p.peak_bytes >= plan(_patched(spec, combo_patch), shape, gpu,
+                                                    seq_length=seq_length, padded=padded).peak_bytes:
             continue  # this change does not help on top of the others
         combo_patch, cost_sum = trial, cost_sum + cost
         names.append(name)
@@ -689,18 +718,18 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
 
 
 def reductions(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
-               limit: int = 6) -> list[Change]:
+               limit: int = 6, seq_length: int | None = None, padded: bool = False) -> list[Change]:
     """Single changes that lower the predicted peak, lowest peak first (cheapest among equals) — what an
     out-of-memory post-mortem offers when the job's plan had no suggestions. Changes the spec's rules
     refuse are not offered."""
-    base = plan(spec, shape, gpu, safety_margin=safety_margin)
+    base = plan(spec, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded)
     out = []
     for name, desc, cost, patch in _candidates(spec, gpu):
         try:
             s2 = _patched(spec, patch)
             if check_rules(s2):
                 continue
-            p = plan(s2, shape, gpu, safety_margin=safety_margin)
+            p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded)
         except Exception:  # noqa: BLE001 - a change the spec rules refuse is not offered
             continue
         if p.peak_bytes < base.peak_bytes:
