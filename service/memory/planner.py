@@ -240,6 +240,45 @@ def padding_mask_bytes(shape: ModelShape, b: int, s: int, a: int) -> int:
     return b * s * s * a + 2 * T * (shape.q_dim - shape.kv_dim) * a
 
 
+def fsdp_gloo_instants(shape: ModelShape, units: tuple[int, int], cands: dict, act: Activations, T: int, N: int,
+                       full: bool, rg) -> dict[str, tuple[int, int, int]]:
+    """FSDP2 over gloo (CPU workers): the instants where buffers of collectives still in flight meet the step's
+    own tensors, at their upper level. FSDP2 drops its reference to a collective's buffers once it has
+    "waited" on the collective's event (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), a
+    no-op on CPU, so each buffer lives until gloo's worker thread has finished that collective; whether it
+    has by the time the main thread peaks is a race (measured: the same config peaks at one of a few levels
+    from step to step). The planner predicts the highest level of each race:
+
+    - ``root_pre_backward``: the root unit (embeddings, final norm, lm_head) is gathered for lm_head's
+      backward once one of the loss's two vocabulary-sized gradients is freed, and its pre-backward hook
+      prefetches the last block, whose all-gather output gloo still holds beside the unsharded block;
+    - ``lm_head_backward`` (lm_head trains): lm_head's matmul backward with the root gathered, the
+      prefetched block, lm_head's unsharded weight gradient and the gradient of its input;
+    - ``root_reduce`` (a full fine-tune): the root's post-backward at the end of backward — the reduce-scatter
+      input its gradients are copied into (reduce dtype; _fsdp_collectives.py: foreach_reduce), gloo's own
+      copy of that input (the ``aten::to`` inside ``gloo:all_reduce`` on its worker thread) and the output
+      shard, while the reduce-scatter inputs of the two blocks reduced before it are still in flight; with
+      one dtype for parameters and reduction (no MixedPrecisionPolicy cast, _fsdp_param.py:
+      to_accumulated_grad_if_needed) the root's unsharded gradients are live beside them too (measured:
+      +1 root unit in fp32, none with bf16 parameters).
+    Where a level is below the step's other instants (a tied or small root, long sequences) nothing moves.
+    Measured with bench/memory_accuracy.py (FSDP2 slice) and per-step profiler traces of small-llama s128."""
+    layer_unsharded, root_unsharded = units
+    g_b, a_b, tmp_b = cands["backward"]
+    g_all = cands["backward_end"][0]
+    one_loss_grad = act.loss_grad_bytes // 2
+    unit_b, reduce_b = dtype_bytes(rg.compute_dtype), dtype_bytes(rg.grad_dtype)
+    root_numel = root_unsharded // unit_b
+    out = {"root_pre_backward": (g_b, a_b, tmp_b - one_loss_grad + root_unsharded + 2 * layer_unsharded)}
+    if full:
+        out["lm_head_backward"] = (g_b, a_b, tmp_b - one_loss_grad + root_unsharded + layer_unsharded
+                                   + shape.vocab * shape.hidden * unit_b + T * shape.hidden * 4)
+        grads_left = root_numel * unit_b if unit_b == reduce_b else 0
+        out["root_reduce"] = (g_all, 0, grads_left + 2 * root_numel * reduce_b + root_numel // N * reduce_b
+                              + 2 * shape.layer_params() * reduce_b)
+    return out
+
+
 # --- pipeline stages -----------------------------------------------------------------------------
 
 
@@ -375,6 +414,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     master = 0
     gathered = 0  # params materialised at the loss (forward's end, backward's start) beyond the shards
     gathered_layer = 0  # params materialised while one block runs (its forward, recompute or backward)
+    gloo_units: tuple[int, int] | None = None  # FSDP2 over gloo: (block, root) unsharded bytes, see fsdp_gloo_instants
     comm = 0  # communication buckets
     opt_temp_unit = max(_largest_trainable(spec, shape, targets), 1) * 4
 
@@ -414,6 +454,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             gathered = shape.num_layers * layer_unsharded + root
             gathered_layer = gathered
         comm = (shape.layer_params() * grad_bytes) if full else 0  # one unit's reduce-scatter input
+        if not on_gpu and t.fsdp.reshard_after_forward and not t.fsdp.cpu_offload:
+            gloo_units = (layer_unsharded, root)
         if t.fsdp.cpu_offload:
             host.parameters, dev.parameters = dev.parameters, 0
             host.gradients, dev.gradients = dev.gradients, 0
@@ -508,6 +550,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                                            gathered_layer + act.layer_backward_temp_bytes)
         cands["backward_end"] = (g_all, 0, gathered_layer + comm + opt_temp_unit // 4)
         cands["optimizer"] = (g_all, 0, 0 if (offloaded_step and on_gpu) else step_temp)
+        if gloo_units is not None:
+            cands.update(fsdp_gloo_instants(shape, gloo_units, cands, act, b * s, N, full, rg))
         phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
         if view is not None:
             assumptions.append(f"stage {view.index}: blocks {view.blocks.start}–{view.blocks.stop - 1}, "
