@@ -5,6 +5,7 @@ dict-building code); stored plans read back unchanged; one list of categories; o
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,16 @@ def settings(tmp_path_factory):
 
 
 def as_captured(dumped: dict) -> dict:
-    """A plan's JSON as the captured (older) code wrote it: what plans that know the data added (``data``,
-    ``at_max_seq_length``: the captured bodies have no training file, so the plan is the bound) is taken
-    out, and checked on its own."""
+    """A plan's JSON as the captured (older) code wrote it. Two later additions are taken out, and checked
+    on their own: what plans that know the data added (``data``, ``at_max_seq_length``: the captured bodies
+    have no training file, so the plan is the bound) and the planner's measured error for the strategy,
+    which ``need_bytes`` now includes (service/memory/accuracy.py) and one assumption line states."""
     out = {k: v for k, v in dumped.items() if k not in ADDED_FIELDS}
+    extra = dumped.get("accuracy_margin_bytes", 0)
+    out["need_bytes"] -= extra
+    if out["margin_bytes"] is not None:
+        out["margin_bytes"] += extra
+    out["assumptions"] = [a for a in out["assumptions"] if not a.startswith("plus the planner's measured")]
     out["plan"] = as_captured(out["plan"]) if isinstance(out.get("plan"), dict) else out.get("plan")
     if out["plan"] is None:
         del out["plan"]
@@ -58,6 +65,8 @@ def test_the_planner_produces_todays_plan_json(case, settings):
     bound = plan.at_max_seq_length
     assert (bound.peak_bytes, bound.need_bytes, bound.per_rank, bound.fits) == (
         plan.peak_bytes, plan.need_bytes, plan.per_rank, plan.fits)
+    assert plan.accuracy_margin_bytes == math.ceil(plan.peak_bytes * plan.accuracy_margin)
+    assert plan.need_bytes == case["plan"]["need_bytes"] + plan.accuracy_margin_bytes
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])

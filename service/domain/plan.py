@@ -195,6 +195,10 @@ class Plan(BaseModel):
     # Added with plans that know the data; None on plans stored before.
     data: DataShape | None = None
     at_max_seq_length: BoundPlan | None = Field(None, description="The plan with every row padded to max_seq_length.")
+    accuracy_margin: float = Field(0.0, description="The planner's measured under-prediction for this strategy "
+                                                    "(service/memory/accuracy.py), as a fraction of the peak.")
+    accuracy_margin_bytes: int = Field(0, description="peak × accuracy_margin, included in need_bytes.")
+    accuracy_source: str | None = Field(None, description="Where accuracy_margin was measured.")
 
     @model_serializer(mode="wrap")
     def _without_unset_additions(self, handler):
@@ -226,7 +230,7 @@ class Plan(BaseModel):
         return out
 
 
-ADDED_FIELDS = ("data", "at_max_seq_length")
+ADDED_FIELDS = ("data", "at_max_seq_length", "accuracy_margin", "accuracy_margin_bytes", "accuracy_source")
 
 
 def read_plan(value: Any) -> Plan | None:

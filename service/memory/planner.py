@@ -27,6 +27,7 @@ figures are the fullest rank's: the one that runs out of memory first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,6 +55,7 @@ from service.domain.training import (
     regime,
     stage_layers,
 )
+from service.memory.accuracy import accuracy_margin
 from service.memory.gpus import GPU, MiB, get_gpu
 from service.memory.shape import ModelShape
 
@@ -574,12 +576,19 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     else:
         capacity = t.resources.host_memory_budget_bytes or DEFAULT_HOST_BYTES
     usable = int(capacity * (1 - safety_margin))
-    need = dev.total + (0 if on_gpu else host.total + runtime)
+    # The planner's own measured error for this strategy (service/memory/accuracy.py) must fit too.
+    accuracy, accuracy_source = accuracy_margin(spec)
+    peak = dev.total + (0 if on_gpu else host.total)
+    accuracy_bytes = math.ceil(peak * accuracy)
+    need = dev.total + (0 if on_gpu else host.total + runtime) + accuracy_bytes
     fits = need <= usable
     if not on_gpu:
         assumptions.append("CPU worker: device and host are the same RAM; capacity is the host budget "
                            f"(or {DEFAULT_HOST_BYTES // 2**30} GiB), plus ~{CPU_RUNTIME_BYTES // MiB} MiB process runtime")
     assumptions.append(f"fits when the predicted peak ≤ capacity × (1 − {safety_margin:.2f})")
+    if accuracy_bytes:
+        assumptions.append(f"plus the planner's measured under-prediction for this strategy, {accuracy:.2%} of the "
+                           f"peak ({accuracy_source})")
     return Plan(
         fits=fits, parameter_count=P, trainable_parameter_count=Pt, world_size=N, gpu=g.name if g else None,
         capacity_bytes=capacity, usable_bytes=usable, safety_margin=safety_margin,
@@ -587,7 +596,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         peak_bytes=dev.total + (0 if on_gpu else host.total), peak_phase=peak_phase,
         per_rank=PerRank(device=dev, host=host), phases=phases, runtime_bytes=runtime, model_states=state,
         activations_saved_bytes=A, assumptions=assumptions, margin_bytes=usable - need, need_bytes=need,
-        memory_policy=t.memory_policy,
+        memory_policy=t.memory_policy, accuracy_margin=accuracy, accuracy_margin_bytes=accuracy_bytes,
+        accuracy_source=accuracy_source,
     )
 
 
