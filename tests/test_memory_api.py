@@ -111,12 +111,15 @@ def test_memfit_plan_answers_offline_for_the_examples(monkeypatch):
 # --- the pre-flight at creation -------------------------------------------------------------------
 
 
-def test_reject_answers_422_with_the_breakdown_and_the_ranked_fixes(client, tenant, create_job):
-    r = create_job(tenant, **full_7b())
+def test_reject_answers_422_with_the_breakdown_and_the_ranked_fixes(client, tenant, create_job, upload_file):
+    training_file = upload_file(tenant).json()["id"]
+    r = create_job(tenant, training_file=training_file, **full_7b())
     assert r.status_code == 422, r.text
     assert r.headers["content-type"] == "application/problem+json"
     body = r.json()
-    expected_plan = plan(client, tenant, full_7b()).json()
+    # the plan endpoint given the same file: a hub model's tokenizer is not read here, so both are the bound
+    expected_plan = plan(client, tenant, {**full_7b(), "training_file": training_file}).json()
+    assert not expected_plan["data"]["measured"] and "hub model" in expected_plan["data"]["reason"]
     sug = expected_plan["suggestions"]
     detail = (f"predicted peak {expected_plan['peak_bytes'] / GiB:.2f} GiB per rank does not fit a100-40gb: "
               f"{expected_plan['usable_bytes'] / GiB:.2f} GiB usable of {expected_plan['capacity_bytes'] / GiB:.2f} GiB "
@@ -200,8 +203,12 @@ def claimed(api_app, job_id: str) -> str:
     return token
 
 
-def test_memory_view_compares_each_category_and_is_tenant_scoped(client, api_app, tenant, make_tenant, create_job):
-    job = create_job(tenant, model="preset:small-llama", training={"resources": {"num_workers": 2}}).json()
+def test_memory_view_compares_each_category_and_is_tenant_scoped(client, api_app, tenant, make_tenant, create_job,
+                                                                upload_file):
+    # Rows longer than max_seq_length (cut to it): the plan is the one at max_seq_length, whose peak has activations.
+    long_rows = upload_file(tenant, '{"text": "' + "memory " * 700 + '"}\n').json()["id"]
+    job = create_job(tenant, model="preset:small-llama", training_file=long_rows,
+                     training={"resources": {"num_workers": 2}}).json()
     job_id = job["id"]
     token = claimed(api_app, job_id)
     p = client.get(f"/v1/fine_tuning/jobs/{job_id}/memory", headers=tenant.headers).json()["plan"]
@@ -234,6 +241,8 @@ def test_memory_view_compares_each_category_and_is_tenant_scoped(client, api_app
 
     view = client.get(f"/v1/fine_tuning/jobs/{job_id}/memory", headers=tenant.headers).json()
     assert view["object"] == "fine_tuning.job.memory" and view["has_plan"] and view["predicted"] == pred
+    assert p["data"]["measured"] and p["data"]["planned_seq_length"] == p["data"]["max_seq_length"] == 512
+    assert view["predicted_at_max_seq_length"] == pred["total"]  # rows fill max_seq_length: the data plan is the bound
     assert [s["step"] for s in view["samples"]["0"]] == [1, 2, 3, 4] and set(view["samples"]) == {"0", "1"}
     for rank, scale in (("0", 1.10), ("1", 0.95)):
         m = view["measured_peaks"][rank]

@@ -175,6 +175,25 @@ def test_cpu_worker_capacity_is_the_host_budget(tmp_path):
     assert out.model.family == "llama"
 
 
+def test_fits_carries_the_strategys_measured_error_as_its_margin():
+    """need = peak (+ runtime) + peak × the strategy's measured under-prediction (service/memory/accuracy.py);
+    a peak that fits only without that margin does not fit."""
+    from service.memory.accuracy import MARGINS, accuracy_margin
+
+    fsdp = spec(strategy="fsdp", resources={"num_workers": 2}, peft={"method": "lora", "r": 16}, precision="bf16")
+    p = plan(fsdp, LLAMA2_7B)
+    assert p.accuracy_margin == MARGINS["fsdp2"].under_prediction > 0 and "fsdp2" in p.accuracy_source
+    assert p.need_bytes == p.peak_bytes + p.accuracy_margin_bytes and p.accuracy_margin_bytes > 0
+    assert p.fits and p.margin_bytes == p.usable_bytes - p.need_bytes
+    # a safety margin that leaves room for the peak but not for the planner's error: refused
+    between = 1 - (p.peak_bytes + p.accuracy_margin_bytes // 2) / p.capacity_bytes
+    tight = plan(fsdp, LLAMA2_7B, safety_margin=between)
+    assert tight.peak_bytes <= tight.usable_bytes < tight.need_bytes and not tight.fits
+    # a variant no matrix measured gets the largest measured margin, and says so
+    zero1 = accuracy_margin(spec(strategy="deepspeed", deepspeed={"zero_stage": 1}, resources={"num_workers": 2}))
+    assert zero1[0] == max(m.under_prediction for m in MARGINS.values()) and "no accuracy matrix" in zero1[1]
+
+
 def test_unknown_gpu_is_named():
     with pytest.raises(KeyError, match="a100-40gb"):
         get_gpu("a101")

@@ -1,90 +1,22 @@
 """JSONL → token ids and labels, and a deterministic, resumable distributed sampler.
 
-Three formats, one per line, the format told by the keys of the first row:
-- chat: ``{"messages": [{"role": "system|user|assistant|tool", "content": "..."}, ...]}`` — rendered with
-  the tokenizer's chat template; loss only on assistant turns (content and end tag, not the header);
-  an assistant turn that is only ``tool_calls`` trains on the calls;
-- prompt/completion: ``{"prompt": "...", "completion": "..."}`` — loss only on the completion;
-- text: ``{"text": "..."}`` — loss on every token.
-
-Labels are aligned with inputs (Hugging Face convention): the loss shifts them by one. -100 marks a
-position that does not count. What a good row is — and the rows themselves — come from
-service/domain/datafmt.py (:func:`read_jsonl`), the validator the API runs on uploads.
+How a row becomes tokens (the three formats, loss masking, truncation, packing) is
+service/domain/encoding.py, torch-free, so that the planner measures the same rows the workers train on
+(service/memory/data.py). What a good row is — and the rows themselves — come from
+service/domain/datafmt.py (:func:`read_jsonl`), the validator the API runs on uploads. Here: the rows
+tokenized with the model's tokenizer, collated into padded micro-batches, and the sampler.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Iterator
 
 from service.domain.datafmt import read_jsonl
+from service.domain.encoding import IGNORE, encode_example, pack, truncate
 
-IGNORE = -100
-
-
-# --- tokenization -------------------------------------------------------------------------------
-
-
-def _ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-
-
-def _render(tokenizer, messages, add_generation_prompt=False) -> str:
-    if not messages:
-        return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def _delta(longer: str, shorter: str) -> str:
-    if not longer.startswith(shorter):
-        raise ValueError("the chat template does not render prefixes consistently")
-    return longer[len(shorter) :]
-
-
-def _for_template(tokenizer, messages: list[dict]) -> list[dict]:
-    """The messages as the chat template is given them. An assistant turn may be tool calls with a null
-    content (datafmt accepts OpenAI's form); a template that knows nothing of ``tool_calls`` (memfit's
-    default) would render that null as "None", so it is given the calls as JSON text to learn instead."""
-    if "tool_calls" in (getattr(tokenizer, "chat_template", None) or ""):
-        return messages
-    return [{**m, "content": json.dumps(m["tool_calls"])} if m.get("content") is None and m.get("tool_calls")
-            else m for m in messages]
-
-
-def encode_example(tokenizer, row: dict, fmt: str) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) for one row. Each rendered piece is tokenized on its own so that the mask
-    boundary is exact: the template's role tags are special tokens, so pieces never merge across."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if fmt == "text":
-        ids = bos + _ids(tokenizer, row["text"]) + eos
-        return ids, list(ids)
-    if fmt == "prompt_completion":
-        prompt = bos + _ids(tokenizer, row["prompt"])
-        completion = _ids(tokenizer, row["completion"]) + eos
-        return prompt + completion, [IGNORE] * len(prompt) + completion
-    ids, labels = list(bos), [IGNORE] * len(bos)
-    msgs = _for_template(tokenizer, row["messages"])
-    done = ""
-    for i, m in enumerate(msgs):
-        if m["role"] == "assistant":
-            header = _delta(_render(tokenizer, msgs[:i], add_generation_prompt=True), done)
-            full = _render(tokenizer, msgs[: i + 1])
-            body = _delta(full, done + header)
-            h, b = _ids(tokenizer, header), _ids(tokenizer, body)
-            ids += h + b
-            labels += [IGNORE] * len(h) + b
-        else:
-            full = _render(tokenizer, msgs[: i + 1])
-            piece = _ids(tokenizer, _delta(full, done))
-            ids += piece
-            labels += [IGNORE] * len(piece)
-        done = full
-    ids += eos
-    labels += eos
-    return ids, labels
+__all__ = ["IGNORE", "encode_example", "pack"]  # the encoding rule lives in service/domain/encoding.py
 
 
 @dataclass
@@ -100,7 +32,7 @@ class TokenizedData:
 def load_dataset(path: str, tokenizer, max_seq_length: int, packing: bool = False) -> TokenizedData:
     fmt, rows = read_jsonl(path)
     examples = [encode_example(tokenizer, r, fmt) for r in rows]
-    examples = [(i[:max_seq_length], l[:max_seq_length]) for i, l in examples]
+    examples = truncate(examples, max_seq_length)
     if packing:
         examples = pack(examples, max_seq_length)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -111,20 +43,6 @@ def rows_without_labels(data: TokenizedData) -> int:
     """Examples with no label token left (e.g. the assistant's reply cut off by max_seq_length):
     they cost a forward and backward and teach nothing."""
     return sum(1 for _, labels in data.examples if all(t == IGNORE for t in labels[1:]))
-
-
-def pack(examples, max_seq_length: int):
-    """Concatenate examples into rows of max_seq_length tokens. The first token of each example gets
-    label -100 so that no position learns to predict across a document boundary."""
-    flat_ids: list[int] = []
-    flat_labels: list[int] = []
-    for ids, labels in examples:
-        flat_ids += ids
-        flat_labels += [IGNORE] + labels[1:]
-    rows = []
-    for start in range(0, len(flat_ids), max_seq_length):
-        rows.append((flat_ids[start : start + max_seq_length], flat_labels[start : start + max_seq_length]))
-    return rows
 
 
 def collate(examples, pad_id: int):

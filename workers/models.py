@@ -2,7 +2,8 @@
 id checked and loaded. Which of the three a ``model`` names is service/domain/model_ref.py's rule.
 
 Presets are random-init models built from the config dicts in service/domain/presets.py, with a byte-level
-BPE tokenizer trained in-process to exactly ``vocab_size`` tokens. A built preset is cached on disk
+BPE tokenizer trained in-process to exactly ``vocab_size`` tokens (service/domain/presets.py: preset_tokenizer,
+torch-free, so that the service tokenizes a training file with the very tokenizer the workers build). A built preset is cached on disk
 (``MEMFIT_PRESET_CACHE`` or ~/.cache/memfit/presets) so every rank and every later run loads the
 same weights; the build is seeded and published atomically (workers/published.py), so concurrent
 ranks, jobs and nodes agree and a crashed build never leaves a folder that looks finished.
@@ -13,21 +14,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 from pathlib import Path
 
+from service.domain.encoding import DEFAULT_CHAT_TEMPLATE
 from service.domain.model_ref import ModelRefError, resolve_model
-from service.domain.presets import preset_config, preset_name
+from service.domain.presets import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    preset_config,
+    preset_name,
+    preset_tokenizer,
+)
 from workers.published import publish_once
 
 # Bumped whenever _write_preset changes what it writes, so that old cache entries are not reused.
 PRESET_BUILD_VERSION = 2
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-# The default chat template when a tokenizer ships none: role tag, newline, content, end tag.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 
 class ModelSourceError(RuntimeError):
@@ -38,49 +40,15 @@ def preset_cache_dir() -> Path:
     return Path(os.environ.get("MEMFIT_PRESET_CACHE", Path.home() / ".cache" / "memfit" / "presets"))
 
 
-def _tokenizer_corpus(n_words: int = 6000, seed: int = 0) -> list[str]:
-    """Deterministic English-like text: enough distinct words for the BPE trainer to reach its vocab."""
-    rng = random.Random(seed)
-    base = (
-        "the of and to in is was for on that with as by at from his her they this are have not be "
-        "answer question user assistant system hello world model memory train token learn data "
-        "what why how when where which who please thank you yes no one two three four five"
-    ).split()
-    syll = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "ve", "an", "er", "in", "on", "st", "th", "qu"]
-    words = base + ["".join(rng.choice(syll) for _ in range(rng.randint(1, 4))) for _ in range(n_words)]
-    lines = []
-    for _ in range(4000):
-        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) + ".")
-    lines.extend(" ".join(words[i : i + 10]) for i in range(0, len(words), 10))
-    return lines
-
-
 def train_tokenizer(vocab_size: int, max_length: int):
     """A byte-level BPE tokenizer with exactly ``vocab_size`` tokens, as a transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_tokenizer_corpus(n_words=max(2000, vocab_size)), trainer=trainer)
-    # A small corpus can stop short of vocab_size merges: pad with unused tokens so that the
-    # embedding matrix and the tokenizer agree exactly.
-    missing = vocab_size - tok.get_vocab_size()
-    if missing > 0:
-        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
-    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<|pad|>",
-        bos_token="<|bos|>",
-        eos_token="<|eos|>",
+        tokenizer_object=preset_tokenizer(vocab_size),
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
         model_max_length=max_length,
     )
     fast.chat_template = DEFAULT_CHAT_TEMPLATE

@@ -1,6 +1,7 @@
 """Memory truth over HTTP (issue 5): plan a job without creating it, and predicted vs measured for a job.
 
-- ``POST /v1/memory/plan`` takes the job-creation body (``training_file`` optional) and answers the
+- ``POST /v1/memory/plan`` takes the job-creation body (``training_file`` optional: given, the plan is
+  for that file's rows, with the bound at ``max_seq_length`` beside it; another tenant's file is 404) and answers the
   plan (service.memory.preflight.plan_for_spec; its schema: service.domain.plan.Plan): ``fits``,
   parameter counts, per-rank device/host bytes by category, capacity, margin, assumptions and the
   ranked ``suggestions`` that fit. The GPU planned
@@ -23,24 +24,25 @@ from fastapi import APIRouter, Body, Query, Request
 from api.deps import PrincipalDep, ReadSessionDep, SettingsDep
 from api.errors import BY_ID, problems
 from service.domain.plan import Plan
+from service.jobs import crud
 from service.jobs.crud import get_job_memory
-from service.memory import preflight
 
 router = APIRouter(tags=["memory"])
 
 
-@router.post("/v1/memory/plan", summary="Predict a job's per-rank memory without creating it", response_model=Plan, responses=problems(400, 401, 413, 422, 429, 503),
+@router.post("/v1/memory/plan", summary="Predict a job's per-rank memory without creating it", response_model=Plan, responses=problems(400, 401, 404, 413, 422, 429, 503),
              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                  "schema": {"$ref": "#/components/schemas/JobSpec"}}}}})  # api/app.py adds JobSpec
 def plan_memory(
     request: Request,
+    session: ReadSessionDep,
     principal: PrincipalDep,
     settings: SettingsDep,
     body: Annotated[Any, Body(description="The job-creation body (JobSpec); training_file is optional.")],
     gpu: Annotated[str | None, Query(description="Plan for this GPU (catalogue name, e.g. a100-40gb) "
                                                  "instead of training.resources.gpu_type.")] = None,
 ) -> Plan:
-    return preflight.plan_request(body, settings, gpu=gpu, known_gpus=request.app.state.known_gpus)
+    return crud.plan_memory(session, principal, settings, body, gpu=gpu, known_gpus=request.app.state.known_gpus)
 
 
 @router.get("/v1/fine_tuning/jobs/{job_id}/memory", tags=["fine-tuning"], responses=problems(*BY_ID),

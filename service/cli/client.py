@@ -380,6 +380,17 @@ def load_spec(path: Path) -> dict:
     return body
 
 
+def _local_training_file(path: Path) -> str | None:
+    """A YAML's ``training_file`` when it is a local JSONL path (memfit run's form), for the offline plan."""
+    import yaml
+
+    value = (yaml.safe_load(path.read_text()) or {}).get("training_file")
+    if not isinstance(value, str) or value.startswith("file-"):
+        return None
+    local = (path.parent / value).resolve()
+    return str(local) if local.is_file() else None
+
+
 def plan_command(spec: Path = typer.Argument(..., exists=True, dir_okay=False, help="A job YAML/JSON (create body)."),
                  gpu: str = typer.Option(None, "--gpu", help="GPU from the catalogue, e.g. a100-40gb."),
                  api_url: str = typer.Option(None, "--api-url", envvar="MEMFIT_API_URL"),
@@ -390,6 +401,7 @@ def plan_command(spec: Path = typer.Argument(..., exists=True, dir_okay=False, h
     from service.views.plan_table import render
 
     body = load_spec(spec)
+    local_data = _local_training_file(spec)
     if gpu:
         res = body.setdefault("training", {}).setdefault("resources", {})
         res["gpu_type"] = gpu
@@ -407,7 +419,7 @@ def plan_command(spec: Path = typer.Argument(..., exists=True, dir_okay=False, h
         from service.views.plan_page import PlannerUnavailable, plan_body
 
         try:
-            plan = plan_body(body, gpu)
+            plan = plan_body(body, gpu, training_path=local_data)
         except PlannerUnavailable as exc:
             err.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None

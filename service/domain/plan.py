@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_serializer
 
 from service.domain.spec import MemoryPolicy
 
@@ -130,8 +130,45 @@ class Suggestion(BaseModel):
     spec_changes: dict[str, Any] = Field(default_factory=dict)
 
 
+class DataShape(BaseModel):
+    """The training data as the plan saw it (service/memory/data.py): the rows' lengths after
+    tokenization and truncation (or packing), and the width of the widest micro-batch planned."""
+
+    measured: bool = Field(description="True: the rows were tokenized and the plan is for this data; "
+                                       "False: every row is planned padded to max_seq_length (reason says why).")
+    reason: str = Field(description="How the rows were measured, or why they were not.")
+    training_file: str | None = None
+    examples: int | None = None
+    rows: int | None = Field(None, description="Training rows after truncation or packing.")
+    longest_row_tokens: int | None = None
+    mean_row_tokens: float | None = None
+    truncated_examples: int | None = Field(None, description="Examples longer than max_seq_length (cut).")
+    max_seq_length: int
+    planned_seq_length: int = Field(description="The padded width of the widest micro-batch: the plan's sequence length.")
+    packing: bool = False
+    padded: bool = Field(False, description="The widest micro-batch can hold rows shorter than it (padding: "
+                                            "attention runs with a mask).")
+
+
+class BoundPlan(BaseModel):
+    """The same job with every row padded to max_seq_length: the worst case for any data."""
+
+    seq_length: int
+    fits: bool
+    peak_bytes: int
+    need_bytes: int
+    margin_bytes: int | None
+    peak_phase: str
+    per_rank: PerRank
+    activations_saved_bytes: int = 0
+
+
 class Plan(BaseModel):
-    """A job's predicted per-rank memory (the fullest rank's where ranks differ)."""
+    """A job's predicted per-rank memory (the fullest rank's where ranks differ).
+
+    With a training file the plan is for that data (``data.measured``): rows padded to the longest
+    row, as the workers' collate pads them; ``at_max_seq_length`` is the same job at the bound. ``fits``,
+    ``peak_bytes`` and the breakdown are always the plan's own (the data's when it was measured)."""
 
     fits: bool
     parameter_count: int
@@ -155,6 +192,23 @@ class Plan(BaseModel):
     need_bytes: int = Field(description="What must fit in usable_bytes.")
     memory_policy: MemoryPolicy
     suggestions: list[Suggestion] = Field(default_factory=list)
+    # Added with plans that know the data; None on plans stored before.
+    data: DataShape | None = None
+    at_max_seq_length: BoundPlan | None = Field(None, description="The plan with every row padded to max_seq_length.")
+    accuracy_margin: float = Field(0.0, description="The planner's measured under-prediction for this strategy "
+                                                    "(service/memory/accuracy.py), as a fraction of the peak.")
+    accuracy_margin_bytes: int = Field(0, description="peak × accuracy_margin, included in need_bytes.")
+    accuracy_source: str | None = Field(None, description="Where accuracy_margin was measured.")
+
+    @model_serializer(mode="wrap")
+    def _without_unset_additions(self, handler):
+        """Fields added after plans were first stored are left out of the JSON while they hold their default,
+        so a stored plan reads back and dumps key for key as it was stored (tests/test_plan_schema.py)."""
+        out = handler(self)
+        for name in ADDED_FIELDS:
+            if name in out and out[name] == type(self).model_fields[name].default:
+                del out[name]
+        return out
 
     # ``device`` and ``host`` repeat ``per_rank`` at the top level (the JSON has always had both).
     @computed_field  # type: ignore[prop-decorator]
@@ -174,6 +228,9 @@ class Plan(BaseModel):
         out["other"] = d.temporary + d.overhead
         out["total"] = d.total
         return out
+
+
+ADDED_FIELDS = ("data", "at_max_seq_length", "accuracy_margin", "accuracy_margin_bytes", "accuracy_source")
 
 
 def read_plan(value: Any) -> Plan | None:

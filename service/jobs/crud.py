@@ -187,7 +187,8 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
     spec = derived.spec
     # Memory pre-flight (issue 5, service/memory/preflight.py): memory_policy=reject raises DoesNotFit (422
     # insufficient_memory), auto returns the spec with the cheapest fitting change, ignore the spec as given.
-    preflight = memory.preflight(spec, settings)
+    # The plan is for the training file's rows (service/memory/data.py), not only for max_seq_length.
+    preflight = memory.preflight(spec, settings, training_path=files["training_file"].path)
     spec = preflight.spec
     quotas.check_queued(session, principal.tenant_id, settings)  # 429 past quota_queued_jobs; locks until commit
     job = Job(
@@ -649,6 +650,15 @@ def store_memory_samples(session: Session, job_id: str, records: Iterable[Any]) 
     # insertmanyvalues with RETURNING: the rows returned are exactly those inserted.
     new = {tuple(k) for k in session.execute(stmt, rows if len(rows) > 1 else rows[0]).all()}
     return [r for r in rows if (r["attempt"], r["rank"], r["step"], r["phase"]) in new]
+
+
+def plan_memory(session: Session, principal: Principal, settings: Settings, body: Any, *, gpu: str | None = None,
+                known_gpus: set[str] | None = None):
+    """``POST /v1/memory/plan``: the plan of a create body; with a ``training_file`` (the tenant's: another
+    tenant's id is FileNotFound, as at creation) the plan is for that file's rows."""
+    return memory.plan_request(body, settings, gpu=gpu, known_gpus=known_gpus,
+                               training_path=lambda file_id: get_file(session, principal, file_id,
+                                                                      param="training_file").path)
 
 
 def get_job_memory(session: Session, principal: Principal, job_id: str) -> dict[str, Any]:

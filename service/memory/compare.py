@@ -9,6 +9,10 @@ total — the peak of live tensor bytes. On a GPU the plan's ``overhead`` (CUDA 
 allocator rounding) is outside what the allocator's tensors show, so the predicted total compared with
 the measured peak is the plan's peak minus its overhead. Errors are signed: (predicted − measured) /
 measured, negative when the planner under-predicts.
+
+A plan made with the training file is for that data (its longest row, padded: service/memory/data.py),
+and that is what is compared; the same job's bound, every row padded to ``max_seq_length``, is reported
+beside it (``predicted_at_max_seq_length``), never compared — real data rarely fills max_seq_length.
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ def predicted_categories(plan: Any) -> dict[str, int] | None:
     out["total"] = p.peak_bytes - (d.overhead if p.gpu else 0)
     out["temporary"] = max(0, out["total"] - sum(out[c] for c in (*MODEL_STATES, "activations")))
     return {c: out[c] for c in COMPARED}
+
+
+def bound_total(plan: Any) -> int | None:
+    """The predicted peak of live tensors (as ``predicted_categories``' total) with every row padded to
+    max_seq_length; None for a plan stored before plans knew the data."""
+    p = read_plan(plan)
+    if p is None or p.at_max_seq_length is None:
+        return None
+    b = p.at_max_seq_length
+    return b.peak_bytes - (b.per_rank.device.overhead if p.gpu else 0)
 
 
 def measured_categories(values: Mapping[str, Any]) -> dict[str, int | None]:
@@ -149,6 +163,8 @@ def job_memory_view(job, samples: list[Any], *, peaks: dict[int, dict[str, int |
         "has_plan": predicted is not None,
         "plan": job.plan,
         "predicted": predicted,
+        # the bound beside the data's prediction: what every row padded to max_seq_length would peak at
+        "predicted_at_max_seq_length": bound_total(job.plan),
         "steady_state_from_step": STEADY_STATE_STEP,
         "samples": by_rank,
         "measured_peaks": {str(r): {c: m.get(c) for c in COMPARED} for r, m in sorted(peaks.items())},
@@ -170,6 +186,8 @@ def initial_summary(plan: Any) -> dict[str, Any] | None:
         "gpu": p.gpu,
         "predicted_peak_bytes": p.peak_bytes,
         "predicted_live_peak_bytes": predicted["total"] if predicted else None,
+        "predicted_live_peak_at_max_seq_length_bytes": bound_total(p),
+        "planned_for_data": bool(p.data and p.data.measured),
         "capacity_bytes": p.capacity_bytes,
         "usable_bytes": p.usable_bytes,
         "measured_peak_bytes": None,

@@ -27,6 +27,7 @@ figures are the fullest rank's: the one that runs out of memory first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,6 +55,7 @@ from service.domain.training import (
     regime,
     stage_layers,
 )
+from service.memory.accuracy import accuracy_margin
 from service.memory.gpus import GPU, MiB, get_gpu
 from service.memory.shape import ModelShape
 
@@ -110,13 +112,16 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
 
 
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
-                attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False) -> Activations:
+                attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
+                padded: bool = False) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
     saves the input even when the weight is frozen (LoRA's base), wherever the input needs a gradient.
     ``input_grad``: the first block's input needs a gradient whatever trains (a pipeline stage after
     the first receives its input from the stage before and sends its gradient back).
+    ``padded``: the micro-batch holds rows shorter than its width (workers/data.py: collate pads them), so
+    the model hands SDPA a padding mask instead of ``is_causal`` — see ``padding_mask_bytes``.
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -160,6 +165,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             ln_in = (T * h * res if in_grad else 0) + 2 * small
             n += ln_in + linear_input(res if not regime.casts else 4, ["c_attn"], h)
             n += T * 3 * h * a + T * h * a + shape.num_heads * T * 4  # q,k,v (one c_attn storage), out, lse
+            n += padding_mask_bytes(shape, b, s, a) if padded and attention == "sdpa" else 0
             n += lora_extra(["c_attn", "c_proj"])
             n += T * h * res + 2 * small  # ln_2 input
             n += linear_input(res if not regime.casts else 4, ["c_fc"], h)
@@ -182,6 +188,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 n += T * qd * 2  # o_proj's adapter: PEFT's fp32 copy of the attention output, cast again (measured)
             # attention: SDPA keeps q, k, v after rotary, its output (= o_proj's input) and the lse
             n += T * qd * a + 2 * T * kvd * a + T * qd * a + b * shape.num_heads * s * 4
+            if padded and attention == "sdpa":
+                n += padding_mask_bytes(shape, b, s, a)
             if attention == "eager":
                 probs = b * shape.num_heads * s * s
                 n += probs * 4 + (probs * 2 if regime.act == 2 else 0)
@@ -220,6 +228,57 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     ckpt_layer = T * h * res
     bwd_temp = 2 * T * i * a + 2 * T * h * 4
     return Activations(layer, final, loss_saved, logits, loss_copy, 2 * T * V * 4, ckpt_layer, bwd_temp)
+
+
+def padding_mask_bytes(shape: ModelShape, b: int, s: int, a: int) -> int:
+    """What a padded micro-batch adds to one block's SDPA, beyond a causal one. transformers builds a
+    boolean b×1×s×s mask when any row is padded (masking_utils.sdpa_mask skips it only when none is), and
+    then (integrations/sdpa_attention.py: use_gqa_in_sdpa wants ``attention_mask is None``) gives SDPA
+    every head's keys and values through repeat_kv, which SDPA keeps for backward instead of the kv heads:
+    2·T·(q_dim − kv_dim) elements. torch's SDPA converts the boolean mask to an additive one in the query's
+    dtype (aten/src/ATen/native/transformers/attention.cpp: convert_boolean_attn_mask), a new b×s×s tensor
+    in every block, which the kernel keeps for its backward (measured on CPU: small-llama, chat rows)."""
+    T = b * s
+    return b * s * s * a + 2 * T * (shape.q_dim - shape.kv_dim) * a
+
+
+def fsdp_gloo_instants(shape: ModelShape, units: tuple[int, int], cands: dict, act: Activations, T: int, N: int,
+                       full: bool, rg) -> dict[str, tuple[int, int, int]]:
+    """FSDP2 over gloo (CPU workers): the instants where buffers of collectives still in flight meet the step's
+    own tensors, at their upper level. FSDP2 drops its reference to a collective's buffers once it has
+    "waited" on the collective's event (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), a
+    no-op on CPU, so each buffer lives until gloo's worker thread has finished that collective; whether it
+    has by the time the main thread peaks is a race (measured: the same config peaks at one of a few levels
+    from step to step). The planner predicts the highest level of each race:
+
+    - ``root_pre_backward``: the root unit (embeddings, final norm, lm_head) is gathered for lm_head's
+      backward once one of the loss's two vocabulary-sized gradients is freed, and its pre-backward hook
+      prefetches the last block, whose all-gather output gloo still holds beside the unsharded block;
+    - ``lm_head_backward`` (lm_head trains): lm_head's matmul backward with the root gathered, the
+      prefetched block, lm_head's unsharded weight gradient and the gradient of its input;
+    - ``root_reduce`` (a full fine-tune): the root's post-backward at the end of backward — the reduce-scatter
+      input its gradients are copied into (reduce dtype; _fsdp_collectives.py: foreach_reduce), gloo's own
+      copy of that input (the ``aten::to`` inside ``gloo:all_reduce`` on its worker thread) and the output
+      shard, while the reduce-scatter inputs of the two blocks reduced before it are still in flight; with
+      one dtype for parameters and reduction (no MixedPrecisionPolicy cast, _fsdp_param.py:
+      to_accumulated_grad_if_needed) the root's unsharded gradients are live beside them too (measured:
+      +1 root unit in fp32, none with bf16 parameters).
+    Where a level is below the step's other instants (a tied or small root, long sequences) nothing moves.
+    Measured with bench/memory_accuracy.py (FSDP2 slice) and per-step profiler traces of small-llama s128."""
+    layer_unsharded, root_unsharded = units
+    g_b, a_b, tmp_b = cands["backward"]
+    g_all = cands["backward_end"][0]
+    one_loss_grad = act.loss_grad_bytes // 2
+    unit_b, reduce_b = dtype_bytes(rg.compute_dtype), dtype_bytes(rg.grad_dtype)
+    root_numel = root_unsharded // unit_b
+    out = {"root_pre_backward": (g_b, a_b, tmp_b - one_loss_grad + root_unsharded + 2 * layer_unsharded)}
+    if full:
+        out["lm_head_backward"] = (g_b, a_b, tmp_b - one_loss_grad + root_unsharded + layer_unsharded
+                                   + shape.vocab * shape.hidden * unit_b + T * shape.hidden * 4)
+        grads_left = root_numel * unit_b if unit_b == reduce_b else 0
+        out["root_reduce"] = (g_all, 0, grads_left + 2 * root_numel * reduce_b + root_numel // N * reduce_b
+                              + 2 * shape.layer_params() * reduce_b)
+    return out
 
 
 # --- pipeline stages -----------------------------------------------------------------------------
@@ -298,12 +357,16 @@ def trainable_parameters(spec: JobSpec, shape: ModelShape) -> int:
 
 
 def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size: int | None = None,
-         safety_margin: float = 0.10, stage: int | None = None) -> Plan:
+         safety_margin: float = 0.10, stage: int | None = None, seq_length: int | None = None,
+         padded: bool = False) -> Plan:
     """Per-rank memory of ``spec`` training ``shape``; ``gpu`` (catalogue name) or the spec's gpu_type.
 
     On CPU workers (no GPU) the "device" is host memory: the capacity is the host budget when one is
     set, else ``DEFAULT_HOST_BYTES``, and offloaded state lands in the same RAM. A pipeline's plan is
     its fullest stage's, or stage ``stage``'s when given (the accuracy benchmark compares every rank).
+    ``seq_length``: the padded width of the widest micro-batch when the data is known (service/memory/data.py),
+    else every row is padded to ``max_seq_length``; ``padded``: that micro-batch holds shorter rows, so
+    attention runs with a padding mask (not on a pipeline, whose stages run causal attention unmasked).
     """
     t = spec.training
     gpu = gpu or t.resources.gpu_type
@@ -312,7 +375,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     N = int(world_size or t.resources.num_workers)
     resolved = spec.resolved()
     b, accum = resolved.micro_batch_size, resolved.gradient_accumulation_steps
-    s = t.hyperparameters.max_seq_length
+    s = t.hyperparameters.max_seq_length if seq_length is None else seq_length
     if t.peft.method == PeftMethod.prompt_tuning or t.peft.method == PeftMethod.prefix_tuning:
         s += t.peft.num_virtual_tokens if t.peft.method == PeftMethod.prompt_tuning else 0
     Pt = trainable_parameters(spec, shape)
@@ -322,12 +385,18 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     targets = _lora_targets(spec, shape)
     rg = regime(t.strategy.value, t.peft.method.value, t.precision.value)
     assumptions: list[str] = [
-        f"sequences padded to max_seq_length={s}, micro-batch {b}, {accum} accumulation step(s)",
+        (f"sequences padded to max_seq_length={s}, micro-batch {b}, {accum} accumulation step(s)" if seq_length is None
+         else f"rows padded to the longest row of the training data, {s} tokens (max_seq_length="
+              f"{t.hyperparameters.max_seq_length}), micro-batch {b}, {accum} accumulation step(s)"),
         "AdamW: two fp32 moments per trainable parameter",
         f"activations: {rg.name} regime, {t.attention} attention, "
         f"{'checkpointing every block' if t.gradient_checkpointing else 'no checkpointing'}",
     ]
     strategy = t.strategy.value
+    padded = padded and strategy != "pipeline"  # the stages run causal attention without the padding mask
+    if padded:
+        assumptions.append("the widest micro-batch holds shorter rows: attention runs with a padding mask "
+                           "(every head's keys and values and an additive mask kept per block)")
     ds = t.deepspeed
     qlora = t.peft.method == PeftMethod.qlora
 
@@ -347,6 +416,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     master = 0
     gathered = 0  # params materialised at the loss (forward's end, backward's start) beyond the shards
     gathered_layer = 0  # params materialised while one block runs (its forward, recompute or backward)
+    gloo_units: tuple[int, int] | None = None  # FSDP2 over gloo: (block, root) unsharded bytes, see fsdp_gloo_instants
     comm = 0  # communication buckets
     opt_temp_unit = max(_largest_trainable(spec, shape, targets), 1) * 4
 
@@ -386,6 +456,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             gathered = shape.num_layers * layer_unsharded + root
             gathered_layer = gathered
         comm = (shape.layer_params() * grad_bytes) if full else 0  # one unit's reduce-scatter input
+        if not on_gpu and t.fsdp.reshard_after_forward and not t.fsdp.cpu_offload:
+            gloo_units = (layer_unsharded, root)
         if t.fsdp.cpu_offload:
             host.parameters, dev.parameters = dev.parameters, 0
             host.gradients, dev.gradients = dev.gradients, 0
@@ -445,7 +517,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                    if stage is None or v.index == stage]
     else:
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
-                          zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3)
+                          zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded)
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
@@ -480,6 +552,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                                            gathered_layer + act.layer_backward_temp_bytes)
         cands["backward_end"] = (g_all, 0, gathered_layer + comm + opt_temp_unit // 4)
         cands["optimizer"] = (g_all, 0, 0 if (offloaded_step and on_gpu) else step_temp)
+        if gloo_units is not None:
+            cands.update(fsdp_gloo_instants(shape, gloo_units, cands, act, b * s, N, full, rg))
         phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
         if view is not None:
             assumptions.append(f"stage {view.index}: blocks {view.blocks.start}–{view.blocks.stop - 1}, "
@@ -502,12 +576,19 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     else:
         capacity = t.resources.host_memory_budget_bytes or DEFAULT_HOST_BYTES
     usable = int(capacity * (1 - safety_margin))
-    need = dev.total + (0 if on_gpu else host.total + runtime)
+    # The planner's own measured error for this strategy (service/memory/accuracy.py) must fit too.
+    accuracy, accuracy_source = accuracy_margin(spec)
+    peak = dev.total + (0 if on_gpu else host.total)
+    accuracy_bytes = math.ceil(peak * accuracy)
+    need = dev.total + (0 if on_gpu else host.total + runtime) + accuracy_bytes
     fits = need <= usable
     if not on_gpu:
         assumptions.append("CPU worker: device and host are the same RAM; capacity is the host budget "
                            f"(or {DEFAULT_HOST_BYTES // 2**30} GiB), plus ~{CPU_RUNTIME_BYTES // MiB} MiB process runtime")
     assumptions.append(f"fits when the predicted peak ≤ capacity × (1 − {safety_margin:.2f})")
+    if accuracy_bytes:
+        assumptions.append(f"plus the planner's measured under-prediction for this strategy, {accuracy:.2%} of the "
+                           f"peak ({accuracy_source})")
     return Plan(
         fits=fits, parameter_count=P, trainable_parameter_count=Pt, world_size=N, gpu=g.name if g else None,
         capacity_bytes=capacity, usable_bytes=usable, safety_margin=safety_margin,
@@ -515,7 +596,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         peak_bytes=dev.total + (0 if on_gpu else host.total), peak_phase=peak_phase,
         per_rank=PerRank(device=dev, host=host), phases=phases, runtime_bytes=runtime, model_states=state,
         activations_saved_bytes=A, assumptions=assumptions, margin_bytes=usable - need, need_bytes=need,
-        memory_policy=t.memory_policy,
+        memory_policy=t.memory_policy, accuracy_margin=accuracy, accuracy_margin_bytes=accuracy_bytes,
+        accuracy_source=accuracy_source,
     )
 
 
@@ -639,7 +721,7 @@ def _candidates(spec: JobSpec, gpu: str | None) -> list[tuple[str, str, int, dic
 
 
 def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
-            limit: int = 8) -> list[Change]:
+            limit: int = 8, seq_length: int | None = None, padded: bool = False) -> list[Change]:
     """Changes that would make ``spec`` fit, cheapest first, each with its predicted peak.
 
     Single changes first; when none fits alone, cumulative combinations in cost order (e.g. bf16,
@@ -650,7 +732,7 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
     for name, desc, cost, patch in _candidates(spec, gpu):
         try:
             s2 = _patched(spec, patch)
-            p = plan(s2, shape, gpu, safety_margin=safety_margin)
+            p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded)
         except Exception:  # noqa: BLE001 - a candidate the spec rules refuse is simply not offered
             continue
         singles.append((name, desc, cost, patch, p))
@@ -668,10 +750,11 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
         trial = {**combo_patch, **patch}
         try:
             s2 = _patched(spec, trial)
-            p = plan(s2, shape, gpu, safety_margin=safety_margin)
+            p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded)
         except Exception:  # noqa: BLE001
             continue
-        if len(names) >= 1 and p.peak_bytes >= plan(_patched(spec, combo_patch), shape, gpu).peak_bytes:
+        if len(names) >= 1 and p.peak_bytes >= plan(_patched(spec, combo_patch), shape, gpu,
+                                                    seq_length=seq_length, padded=padded).peak_bytes:
             continue  # this change does not help on top of the others
         combo_patch, cost_sum = trial, cost_sum + cost
         names.append(name)
@@ -689,18 +772,18 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
 
 
 def reductions(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
-               limit: int = 6) -> list[Change]:
+               limit: int = 6, seq_length: int | None = None, padded: bool = False) -> list[Change]:
     """Single changes that lower the predicted peak, lowest peak first (cheapest among equals) — what an
     out-of-memory post-mortem offers when the job's plan had no suggestions. Changes the spec's rules
     refuse are not offered."""
-    base = plan(spec, shape, gpu, safety_margin=safety_margin)
+    base = plan(spec, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded)
     out = []
     for name, desc, cost, patch in _candidates(spec, gpu):
         try:
             s2 = _patched(spec, patch)
             if check_rules(s2):
                 continue
-            p = plan(s2, shape, gpu, safety_margin=safety_margin)
+            p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded)
         except Exception:  # noqa: BLE001 - a change the spec rules refuse is not offered
             continue
         if p.peak_bytes < base.peak_bytes:

@@ -8,7 +8,11 @@ service/memory/compare.py; an OOM's post-mortem is service/memory/oom.py.
   planner's known shapes. Anything else is :class:`UnknownModelShape`: the job still runs and its memory
   is only measured.
 - :func:`plan_for_spec` — the typed plan (service/domain/plan.py; ``POST /v1/memory/plan``, stored
-  as ``jobs.plan``).
+  as ``jobs.plan``). Given the training file, the plan is for that data: the rows are tokenized as
+  the workers will (service/memory/data.py) and the widest micro-batch the sampler can form — its
+  longest row, padded — is planned; ``at_max_seq_length`` keeps the bound (every row padded to
+  ``max_seq_length``) beside it, and ``data`` says how the rows were measured or why they were not.
+  ``fits`` (and so ``memory_policy``) uses the data's worst case.
   Capacity: the named GPU (the ``gpu`` override, else ``training.resources.gpu_type``); with no GPU
   named (CPU workers) only ``host_memory_budget_bytes`` is a capacity, and without one the plan is
   informative: it always fits and ``capacity_bytes`` is null.
@@ -25,7 +29,7 @@ from typing import Any
 
 from service.domain.errors import DoesNotFit, UnprocessableEntity
 from service.domain.model_ref import ModelRefError, resolve_model
-from service.domain.plan import ModelInfo, Plan, Suggestion
+from service.domain.plan import BoundPlan, ModelInfo, Plan, Suggestion
 from service.domain.spec import (
     JobSpec,
     MemoryPolicy,
@@ -75,9 +79,14 @@ def _gpu_for(spec: JobSpec, gpu: str | None) -> str | None:
     return res.gpu_type if res.gpus_per_worker > 0 else None
 
 
-def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | None = None):
-    """(the plan, its suggestions as the planner's Changes). Raises UnknownModelShape, UnknownGPU."""
+def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | None = None,
+          training_path: str | None = None):
+    """(the plan, its suggestions as the planner's Changes). Raises UnknownModelShape, UnknownGPU.
+
+    With ``training_path`` the plan is for that data (service/memory/data.py): its rows' longest
+    tokenized length is the planned width, and ``at_max_seq_length`` is the bound beside it."""
     from service.memory import planner
+    from service.memory.data import data_shape
     from service.memory.gpus import get_gpu
 
     resolved = resolve_shape(spec, settings, model_path)
@@ -85,18 +94,28 @@ def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | 
     if gpu:
         gpu = get_gpu(gpu).name  # UnknownGPU names the catalogue
     margin = settings.memory_safety_margin
-    p = planner.plan(spec, resolved.shape, gpu, safety_margin=margin)
+    data = data_shape(spec, training_path, settings.model_dirs, model_path)
+    seq = data.planned_seq_length if data.measured else None
+    p = planner.plan(spec, resolved.shape, gpu, safety_margin=margin, seq_length=seq, padded=data.padded)
+    bound = p if seq is None else planner.plan(spec, resolved.shape, gpu, safety_margin=margin)  # rows filling it
     update: dict[str, Any] = {
-        "model": ModelInfo(name=spec.model, source=resolved.source, **resolved.shape.to_dict())}
-    if p.gpu is None and spec.training.resources.host_memory_budget_bytes is None:
-        informative = ("no GPU named and no host memory budget: the plan is informative (nothing to fit "
-                       "into), the job is never refused")
+        "model": ModelInfo(name=spec.model, source=resolved.source, **resolved.shape.to_dict()), "data": data}
+    informative = p.gpu is None and spec.training.resources.host_memory_budget_bytes is None
+    if informative:
+        why = ("no GPU named and no host memory budget: the plan is informative (nothing to fit "
+               "into), the job is never refused")
         update.update(fits=True, capacity_bytes=None, usable_bytes=None, margin_bytes=None,
-                      assumptions=[*p.assumptions, informative])
+                      assumptions=[*p.assumptions, why])
+    update["at_max_seq_length"] = BoundPlan(
+        seq_length=spec.training.hyperparameters.max_seq_length, fits=True if informative else bound.fits,
+        peak_bytes=bound.peak_bytes, need_bytes=bound.need_bytes,
+        margin_bytes=None if informative else bound.margin_bytes, peak_phase=bound.peak_phase,
+        per_rank=bound.per_rank, activations_saved_bytes=bound.activations_saved_bytes)
     p = p.model_copy(update=update)
     changes = []
     if not p.fits:
-        changes = [s for s in planner.suggest(spec, resolved.shape, gpu, safety_margin=margin, limit=12)
+        changes = [s for s in planner.suggest(spec, resolved.shape, gpu, safety_margin=margin, limit=12, seq_length=seq,
+                                                  padded=data.padded)
                    if s.plan.fits and not check_rules(s.spec)][:MAX_SUGGESTIONS]
     p.suggestions = [_suggestion(i + 1, spec, c) for i, c in enumerate(changes)]
     return p, changes
@@ -123,17 +142,20 @@ def _diff(a: Any, b: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def plan_for_spec(spec: JobSpec, settings: Settings, gpu: str | None = None, *,
-                  model_path: str | None = None) -> Plan:
+                  model_path: str | None = None, training_path: str | None = None) -> Plan:
     """The plan of ``spec`` (service/domain/plan.py): ``fits``, parameter counts, per-rank ``device``/``host`` bytes by
-    category with ``total``, capacity, margin, assumptions, and (when it does not fit) the ranked
-    ``suggestions`` that fit, each with its predicted peak and the spec fields it changes."""
-    return _plan(spec, settings, gpu, model_path)[0]
+    category with ``total``, capacity, margin, assumptions, the data it was planned for and the bound at
+    max_seq_length, and (when it does not fit) the ranked ``suggestions`` that fit, each with its
+    predicted peak and the spec fields it changes."""
+    return _plan(spec, settings, gpu, model_path, training_path)[0]
 
 
 def plan_request(body: Any, settings: Settings, *, gpu: str | None = None,
-                 known_gpus: set[str] | None = None) -> Plan:
+                 known_gpus: set[str] | None = None, training_path=None) -> Plan:
     """``POST /v1/memory/plan``: a create body (``training_file`` optional) → the plan. Raises
-    SpecInvalid naming each bad field, UnprocessableEntity for an unknown GPU or model shape."""
+    SpecInvalid naming each bad field, UnprocessableEntity for an unknown GPU or model shape.
+    ``training_path``: a callable from the body's training file id to its stored path (the caller
+    checks the file is the tenant's), or None when the body has none."""
     from service.domain.errors import BadRequest, SpecInvalid
     from service.memory.gpus import UnknownGPU
 
@@ -144,8 +166,9 @@ def plan_request(body: Any, settings: Settings, *, gpu: str | None = None,
         spec = validate_spec(body, known_gpus)
     except SpecError as exc:
         raise SpecInvalid([p.model_dump() for p in exc.problems]) from None
+    path = training_path(spec.training_file) if training_path and spec.training_file != PLAN_TRAINING_FILE else None
     try:
-        return plan_for_spec(spec, settings, gpu)
+        return plan_for_spec(spec, settings, gpu, training_path=path)
     except UnknownGPU as exc:
         raise UnprocessableEntity(str(exc), param="gpu", code="unknown_gpu") from None
     except UnknownModelShape as exc:
@@ -163,14 +186,16 @@ class PreflightOutcome:
     applied: dict[str, Any] | None = None  # auto: the suggestion applied
 
 
-def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = None) -> PreflightOutcome:
-    """Apply ``training.memory_policy`` to the plan of ``spec`` (see the module docstring)."""
+def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = None,
+              training_path: str | None = None) -> PreflightOutcome:
+    """Apply ``training.memory_policy`` to the plan of ``spec`` (see the module docstring); with
+    ``training_path`` (the stored training file) the plan, and so the decision, is for that data."""
     from service.domain.errors import SpecInvalid
     from service.domain.training import peft_family_problem
     from service.memory.gpus import UnknownGPU
 
     try:
-        plan, options = _plan(spec, settings, None, model_path)
+        plan, options = _plan(spec, settings, None, model_path, training_path)
     except UnknownGPU as exc:
         raise SpecInvalid([{"param": "training.resources.gpu_type", "message": str(exc),
                             "code": "invalid_value"}]) from None
@@ -198,7 +223,7 @@ def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = Non
     if not options:  # auto, and nothing fits
         raise DoesNotFit(plan, reason=" (memory_policy=auto had nothing to apply)")
     chosen, applied = options[0], plan.suggestions[0]
-    new_plan, _ = _plan(chosen.spec, settings, None, model_path)
+    new_plan, _ = _plan(chosen.spec, settings, None, model_path, training_path)
     changes = ", ".join(f"{k}={v}" for k, v in applied.spec_changes.items())
     return PreflightOutcome(chosen.spec, new_plan.model_dump(mode="json"), [{
         "message": f"memory pre-flight: applied {applied.change} ({applied.description}; {changes}): "

@@ -16,19 +16,19 @@ from service.store.models import File, Job
 # --- validation ---------------------------------------------------------------------------------
 
 
-
-
-def memory_preflight(spec: JobSpec, settings: Settings, model_path: str | None) -> dict | None:
+def memory_preflight(spec: JobSpec, settings: Settings, model_path: str | None,
+                     training_path: str | None = None) -> dict | None:
     """THE MEMORY PRE-FLIGHT HOOK (issue "Memory"). Returns the plan to store on the job, or raises
     ValidationFailed(code="insufficient_memory", …) for a job that would not fit under memory_policy=reject.
 
     It calls ``service.memory.preflight.preflight`` — the same function job creation calls, so the two agree —
-    now with the model directory resolved; a refusal (DoesNotFit) carries an ``error`` dict.
+    now with the model directory resolved and the stored training file (the plan is for its rows); a
+    refusal (DoesNotFit) carries an ``error`` dict.
     """
     from service.memory import preflight as memory  # the pre-flight, policy included
 
     try:
-        plan = memory.preflight(spec, settings, model_path=model_path).plan
+        plan = memory.preflight(spec, settings, model_path=model_path, training_path=training_path).plan
     except ValidationFailed:
         raise
     except Exception as exc:  # noqa: BLE001 - the planner's refusal, whatever its class
@@ -49,6 +49,7 @@ def validate_job(session: Session, job: Job, settings: Settings) -> tuple[JobSpe
         spec = JobSpec.model_validate(job.spec)
     except Exception as exc:  # noqa: BLE001 - a stored spec that no longer parses
         raise ValidationFailed("invalid_spec", str(exc)) from exc
+    paths: dict[str, str] = {}
     for param, file_id in (("training_file", spec.training_file), ("validation_file", spec.validation_file)):
         if file_id is None:
             continue
@@ -62,11 +63,12 @@ def validate_job(session: Session, job: Job, settings: Settings) -> tuple[JobSpe
         except DataError as exc:
             raise ValidationFailed("invalid_file", f"{row.filename}: {exc}", param,
                                    {"file_id": file_id, "line": exc.line}) from exc
+        paths[param] = row.path
     try:
         model_path = resolve_model(spec.model, settings.model_dirs).local_dir
     except ModelRefError as exc:
         raise ValidationFailed(exc.code, exc.message, exc.param) from exc
-    plan = memory_preflight(spec, settings, model_path)
+    plan = memory_preflight(spec, settings, model_path, paths.get("training_file"))
     return spec, plan
 
 

@@ -183,8 +183,13 @@ def compare_job(session: Session, job: Job, plan: Plan | None, hs: list[SeriesHe
     view = job_memory_view(view_job, [], peaks=peaks, attempt=attempt)
     per_rank = {r: [{**row, "label": COMPARED_LABELS.get(row["category"], row["category"])} for row in rows]
                 for r, rows in view["per_rank"].items()}
+    data = plan.data if plan is not None else None
     return {"has_plan": view["has_plan"], "predicted": view["predicted"], "per_rank": per_rank,
-            "steady_state_from_step": view["steady_state_from_step"], "error_definition": view["error_definition"]}
+            "steady_state_from_step": view["steady_state_from_step"], "error_definition": view["error_definition"],
+            # what the prediction was made for, and the bound beside it (service/memory/data.py)
+            "data_measured": bool(data and data.measured), "data_reason": data.reason if data else None,
+            "predicted_at_max_seq_length": view["predicted_at_max_seq_length"],
+            "max_seq_length": data.max_seq_length if data else None}
 
 
 # --- files --------------------------------------------------------------------------------------

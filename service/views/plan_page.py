@@ -48,10 +48,11 @@ def form_to_body(form: dict[str, str]) -> dict[str, Any]:
     return {"model": f["model"].strip(), "training_file": "file-planner", "training": training}
 
 
-def plan_body(body: dict[str, Any], gpu: str | None = None, settings=None) -> Plan:
+def plan_body(body: dict[str, Any], gpu: str | None = None, settings=None, training_path: str | None = None) -> Plan:
     """The planner's answer for a create body (``training_file`` optional): service.memory's
-    plan_for_spec, the same as ``POST /v1/memory/plan``. Raises PlannerUnavailable when the planner is
-    not part of this build, SpecError for a bad body, ValueError for an unknown GPU or model shape."""
+    plan_for_spec, the same as ``POST /v1/memory/plan``; ``training_path``: a local JSONL file to plan
+    the data of (``memfit plan`` offline). Raises PlannerUnavailable when the planner is not part of this
+    build, SpecError for a bad body, ValueError for an unknown GPU or model shape."""
     try:
         from service.memory.preflight import plan_for_spec
     except ImportError as exc:
@@ -61,7 +62,7 @@ def plan_body(body: dict[str, Any], gpu: str | None = None, settings=None) -> Pl
 
     spec = validate_spec({"training_file": "file-plan-only", **body}, None)
     try:
-        return plan_for_spec(spec, settings or get_settings(), gpu or None)
+        return plan_for_spec(spec, settings or get_settings(), gpu or None, training_path=training_path)
     except KeyError as exc:  # UnknownGPU
         raise ValueError(str(exc)) from None
 

@@ -36,6 +36,12 @@ def render(plan: Plan, console=None) -> None:
     console.print(table)
     for a in plan.assumptions:
         console.print(f"  · {a}")
+    if plan.data is not None:
+        console.print(f"  · data: {plan.data.reason}")
+    bound = plan.at_max_seq_length
+    if plan.data is not None and plan.data.measured and bound is not None:
+        console.print(f"  · at max_seq_length={bound.seq_length} (every row padded to it): peak "
+                      f"{fmt_bytes(bound.peak_bytes)}, {'fits' if bound.fits else 'does not fit'}")
     if plan.suggestions:
         st = Table(title="changes that would fit, cheapest first")
         st.add_column("change")
