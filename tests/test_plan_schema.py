@@ -24,6 +24,15 @@ from service.memory.preflight import plan_for_spec, preflight
 from service.settings import Settings
 
 CASES = json.loads((Path(__file__).parent / "data" / "plans_before_typed_plan.json").read_text())
+# Keys the plan gained after the capture, each tested where it was added: host_memory (service/memory/host.py,
+# tests/test_host_memory.py). The captured plans hold every other key, value for value. (One captured value
+# was updated with host_memory: the fsdp_offload suggestion's host_total_bytes of fsdp_2_workers_l4 now
+# counts the pinned shards' power-of-two rounding.)
+ADDED_KEYS = ("host_memory",)
+
+
+def as_captured(plan: dict) -> dict:
+    return {k: v for k, v in plan.items() if k not in ADDED_KEYS}
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +47,14 @@ def test_the_planner_produces_todays_plan_json(case, settings):
     assert settings.memory_safety_margin == case["margin"]
     plan = plan_for_spec(validate_spec(case["body"], None), settings, case["gpu"])
     assert isinstance(plan, Plan)
-    assert plan.model_dump(mode="json") == case["plan"]
+    assert as_captured(plan.model_dump(mode="json")) == case["plan"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_a_stored_plan_reads_back_unchanged(case):
     stored = case["plan"]
     plan = Plan.model_validate(stored)
-    assert plan.model_dump(mode="json") == stored
+    assert as_captured(plan.model_dump(mode="json")) == stored and plan.host_memory is None
     assert plan.device is plan.per_rank.device and plan.device.total == stored["device"]["total"]
     assert [s.rank for s in plan.suggestions] == list(range(1, len(stored["suggestions"]) + 1))
 
@@ -105,8 +114,10 @@ def test_does_not_fit_carries_one_structured_error(settings):
     stored = exc.error.model_dump(mode="json")
     assert set(stored) == {"code", "message", "param", "details"}
     assert stored["code"] == "insufficient_memory" and stored["param"] == "training"
-    assert stored["details"] == {"breakdown": case["plan"]["per_rank"], "suggestions": case["plan"]["suggestions"],
-                                 "plan": case["plan"]}
+    assert stored["details"]["breakdown"] == case["plan"]["per_rank"]
+    assert stored["details"]["suggestions"] == case["plan"]["suggestions"]
+    assert as_captured(stored["details"]["plan"]) == case["plan"] and set(stored["details"]) == {
+        "breakdown", "suggestions", "plan"}
     assert exc.extensions == stored["details"]
 
 
@@ -119,9 +130,9 @@ def test_validation_failed_stores_error_info_json(settings):
     with pytest.raises(ValidationFailed) as raised:
         memory_preflight(validate_spec(case["body"], None), settings, None)
     assert raised.value.error["code"] == "insufficient_memory"
-    assert raised.value.error["details"]["plan"] == case["plan"]
+    assert as_captured(raised.value.error["details"]["plan"]) == case["plan"]
     fits = next(c for c in CASES if c["name"] == "fits_gpu_bf16")
-    assert memory_preflight(validate_spec(fits["body"], None), settings, None) == fits["plan"]
+    assert as_captured(memory_preflight(validate_spec(fits["body"], None), settings, None)) == fits["plan"]
 
 
 def test_failure_info_adds_where():

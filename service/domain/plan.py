@@ -130,6 +130,28 @@ class Suggestion(BaseModel):
     spec_changes: dict[str, Any] = Field(default_factory=dict)
 
 
+class HostPlan(BaseModel):
+    """Host memory per rank and on the fullest node (service/memory/host.py): what offloading, loading,
+    checkpointing and exporting hold in the node's RAM, against the node's memory where it is known."""
+
+    per_rank_bytes: dict[str, int] = Field(default_factory=dict, description=(
+        "One rank's host bytes at each instant: load, step, checkpoint, export (export: rank 0)."))
+    rank0_export_extra_bytes: int = 0
+    runtime_bytes: int = Field(0, description="The worker process itself, counted in every instant.")
+    checked: bool = Field(False, description="Whether the node's memory was known and compared.")
+    fits: bool | None = Field(None, description="None: not checked.")
+    source: str | None = Field(None, description="Where the node's memory came from: ray | settings.")
+    node_id: str | None = None
+    ranks_on_node: int | None = None
+    node_instants_bytes: dict[str, int] = Field(default_factory=dict)
+    node_need_bytes: int | None = None
+    node_peak_instant: str | None = None
+    node_memory_bytes: int | None = None
+    node_usable_bytes: int | None = None
+    node_margin_bytes: int | None = Field(None, description="usable − need on the fullest node; negative: short.")
+    notes: list[str] = Field(default_factory=list)
+
+
 class Plan(BaseModel):
     """A job's predicted per-rank memory (the fullest rank's where ranks differ)."""
 
@@ -155,6 +177,7 @@ class Plan(BaseModel):
     need_bytes: int = Field(description="What must fit in usable_bytes.")
     memory_policy: MemoryPolicy
     suggestions: list[Suggestion] = Field(default_factory=list)
+    host_memory: HostPlan | None = Field(None, description="Host memory per rank and on the fullest node.")
 
     # ``device`` and ``host`` repeat ``per_rank`` at the top level (the JSON has always had both).
     @computed_field  # type: ignore[prop-decorator]

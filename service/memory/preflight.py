@@ -84,19 +84,24 @@ def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | 
     gpu = _gpu_for(spec, gpu)
     if gpu:
         gpu = get_gpu(gpu).name  # UnknownGPU names the catalogue
+    from service.memory.nodes import cluster_nodes
+
     margin = settings.memory_safety_margin
-    p = planner.plan(spec, resolved.shape, gpu, safety_margin=margin)
+    nodes = cluster_nodes(settings)  # the host-memory check per node (service/memory/host.py)
+    p = planner.plan(spec, resolved.shape, gpu, safety_margin=margin, nodes=nodes)
     update: dict[str, Any] = {
         "model": ModelInfo(name=spec.model, source=resolved.source, **resolved.shape.to_dict())}
     if p.gpu is None and spec.training.resources.host_memory_budget_bytes is None:
         informative = ("no GPU named and no host memory budget: the plan is informative (nothing to fit "
-                       "into), the job is never refused")
-        update.update(fits=True, capacity_bytes=None, usable_bytes=None, margin_bytes=None,
-                      assumptions=[*p.assumptions, informative])
+                       "into), the job is never refused" if not (p.host_memory and p.host_memory.checked) else
+                       "no GPU named and no host memory budget: nothing to fit into per rank; the node's memory "
+                       "is checked (host_memory)")
+        update.update(fits=p.host_memory is None or p.host_memory.fits is not False, capacity_bytes=None,
+                      usable_bytes=None, margin_bytes=None, assumptions=[*p.assumptions, informative])
     p = p.model_copy(update=update)
     changes = []
     if not p.fits:
-        changes = [s for s in planner.suggest(spec, resolved.shape, gpu, safety_margin=margin, limit=12)
+        changes = [s for s in planner.suggest(spec, resolved.shape, gpu, safety_margin=margin, limit=12, nodes=nodes)
                    if s.plan.fits and not check_rules(s.spec)][:MAX_SUGGESTIONS]
     p.suggestions = [_suggestion(i + 1, spec, c) for i, c in enumerate(changes)]
     return p, changes
