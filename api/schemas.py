@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import Row
 
 from service.domain.spec import JobSpec
-from service.jobs.crud import JOB_ROW, event_public_id
+from service.jobs.crud import JOB_ROW, event_public_id, spec_version
 from service.store.models import Checkpoint, File, Job, JobEvent
 
 T = TypeVar("T")
@@ -138,31 +138,36 @@ class SpecView:
 
 
 class SpecViews:
-    """job id → SpecView for the most recently seen ``max_entries`` jobs. A job's spec never changes
-    after create, so its view is worked out once per process, and reads need not fetch the spec
-    again (service.jobs.crud.read_job's ``with_spec``). Thread-safe."""
+    """job id → SpecView for the most recently seen ``max_entries`` jobs. A job's spec changes at most
+    with its spec_version (service/jobs/crud.py), so its view is worked out once per version per process, and reads
+    need not fetch the spec again (service.jobs.crud.read_job's ``with_spec``). Thread-safe."""
 
     def __init__(self, max_entries: int = 4096):
         self.max_entries = max_entries
-        self._views: OrderedDict[str, SpecView] = OrderedDict()
+        self._views: OrderedDict[str, tuple[tuple[int, bool] | None, SpecView]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def __contains__(self, job_id: object) -> bool:
-        return job_id in self._views
+    def __contains__(self, key: object) -> bool:
+        """A job id known at any version, or (job id, spec_version) known at that version."""
+        if isinstance(key, tuple):
+            job_id, version = key
+            known = self._views.get(job_id)
+            return known is not None and known[0] == version
+        return key in self._views
 
-    def get(self, job_id: str, spec: str | dict | None = None) -> SpecView | None:
-        """The job's view; worked out from ``spec`` (its JSON text or dict) when not known yet; None
-        when not known and no spec is given."""
+    def get(self, job_id: str, spec: str | dict | None = None, version: tuple[int, bool] | None = None) -> SpecView | None:
+        """The job's view; worked out from ``spec`` (its JSON text or dict) when not known yet, or
+        known for another ``version`` (None: any); None when not known and no spec is given."""
         with self._lock:
-            view = self._views.get(job_id)
-            if view is not None:
+            known = self._views.get(job_id)
+            if known is not None and (version is None or known[0] == version):
                 self._views.move_to_end(job_id)
-                return view
+                return known[1]
         if spec is None:
             return None
         view = SpecView.of(JobSpec.model_validate_json(spec) if isinstance(spec, str) else JobSpec.model_validate(spec))
         with self._lock:
-            self._views[job_id] = view
+            self._views[job_id] = (version, view)
             while len(self._views) > self.max_entries:
                 self._views.popitem(last=False)
         return view
@@ -179,7 +184,7 @@ def method_public(hp: HyperparametersPublic) -> dict[str, Any]:
 
 
 def job_public(job: Job) -> JobPublic:
-    view = SPEC_VIEWS.get(job.id, job.spec)
+    view = SPEC_VIEWS.get(job.id, job.spec, spec_version(job.attempt, job.status))
     memory = job.memory_summary
     if memory is None and job.plan is not None:
         memory = {"plan": job.plan}

@@ -14,11 +14,22 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 ENV_PREFIX = "MEMFIT_"
 DIRS_FORM = f"directories separated by ',' or {os.pathsep!r}, or a JSON list of them"
+
+
+class ClusterNode(BaseModel):
+    """One kind of Ray node, as MEMFIT_CLUSTER_NODES describes it (service/memory/nodes.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    memory_bytes: int = Field(..., ge=1, description="RAM the node's workers may use.")
+    cpus: float = Field(0, ge=0, description="The node's CPUs (Ray's CPU resource).")
+    gpus: float = Field(0, ge=0, description="The node's GPUs.")
+    count: int = Field(1, ge=1, le=100_000, description="How many such nodes.")
 
 
 class Settings(BaseSettings):
@@ -45,6 +56,9 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(30.0, ge=2, le=3600, description="Scheduler lease; renewed by heartbeat.")
     poll_seconds: float = Field(0.5, gt=0, le=60)
     memory_safety_margin: float = Field(0.10, ge=0, le=0.9, description="Headroom kept free on each GPU.")
+    cluster_nodes: list[ClusterNode] | None = Field(
+        None, description="The Ray nodes for the host-memory check at admission, as JSON "
+                          "([{\"memory_bytes\": …, \"cpus\": 96, \"gpus\": 8, \"count\": 4}]); None asks Ray's dashboard.")
 
     # Limits (OWASP API4, README "Limits"). A quota or rate of 0 turns that limit off.
     max_json_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1024**3,
@@ -173,6 +187,8 @@ def expects(field: str) -> str:
     info = Settings.model_fields[field]
     if field == "model_dirs":
         return DIRS_FORM
+    if field == "cluster_nodes":
+        return 'a JSON list of nodes: [{"memory_bytes": <int>, "cpus": <number>, "gpus": <number>, "count": <int>}]'
     kinds = {int: "an integer", float: "a number", bool: "true or false (or 1/0, yes/no, on/off)", Path: "a path"}
     kind = kinds.get(info.annotation, "a string")
     bounds = {k: getattr(m, k) for m in info.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}

@@ -87,6 +87,7 @@ BAD = {
     "quota_queued_jobs": ("-1", "an integer from 0 to"),
     "quota_running_jobs": ("many", "an integer from 0 to"),
     "quota_storage_bytes": ("-5", "an integer from 0 to"),
+    "cluster_nodes": ('[{"memory": 1}]', 'a JSON list of nodes: [{"memory_bytes"'),
 }
 
 

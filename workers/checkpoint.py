@@ -217,13 +217,31 @@ def load_full_state(d: str, model, optimizer, scheduler, *, trainable_only: bool
         )
 
         opts = StateDictOptions(full_state_dict=True, strict=not trainable_only)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=opts)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=_keyed_by_name(state["optimizer"], model), options=opts)
     else:
         missing, unexpected = unwrap(model).load_state_dict(state["model"], strict=not trainable_only)
         if unexpected:
             raise RuntimeError(f"checkpoint holds unknown keys: {unexpected[:5]}")
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+
+
+def _keyed_by_name(optim_sd: dict, model) -> dict:
+    """A ddp checkpoint's optimizer state, keyed as FSDP2's ``set_state_dict`` reads it. torch's
+    ``Optimizer.state_dict()`` numbers the parameters in the order the optimizer got them — ddp's
+    ``make_optimizer`` passes the trainable ``model.parameters()`` — while torch.distributed.checkpoint
+    keys state and param groups by parameter name (state_dict.py: ``_load_optim_state_dict``). The
+    FSDP2 model names its parameters as the unwrapped model did, in the same order, so number i is
+    the i-th trainable name: this is what lets a job that started under ddp resume under fsdp (an
+    out-of-memory downshift, service/memory/downshift.py). A state already keyed by name is returned as is."""
+    if not all(isinstance(k, int) for k in optim_sd.get("state", {})) or not optim_sd.get("param_groups"):
+        return optim_sd
+    if not all(isinstance(i, int) for g in optim_sd["param_groups"] for i in g["params"]):
+        return optim_sd
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return {"state": {names[i]: s for i, s in optim_sd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim_sd["param_groups"]]}
 
 
 # --- final artifacts ----------------------------------------------------------------------------

@@ -51,10 +51,17 @@ def train_loop_per_worker(config: dict) -> None:
     from workers.steps import WorkerEnv
     from workers.strategies import train
 
+    from workers.steps import OOM_ERRORS
+
     req = RunRequest.model_validate(config["request"])
     args = train_args(req, fail_at=config.get("fail_at"))
     env = WorkerEnv.from_ray()
     env.resume_dir = req.resume_from
+    if req.spec.training.on_oom == "downshift" and _ran_out_of_memory(req.output_dir):
+        # Ray Train restarts a failed worker group with the same configuration, which would run out of
+        # memory again at the same step: end this attempt now; the scheduler downshifts the job.
+        raise RuntimeError("a worker group of this attempt ran out of memory and training.on_oom is downshift: "
+                           "not retrying the same configuration")
     try:
         train(args, env)
     except ModelSourceError as exc:
@@ -62,6 +69,26 @@ def train_loop_per_worker(config: dict) -> None:
         # node whose cache differs): the job's error says so, not "worker_error".
         _write_rank_failure(req.output_dir, env.rank, _model_error(exc))
         raise
+    except OOM_ERRORS as exc:
+        # Out of memory outside the step the strategies guard (eval at a checkpoint, the checkpoint's own
+        # gathers, the export): still out_of_memory, so that on_oom applies; the step's own failure
+        # (with its post-mortem) was written by the strategy and is kept.
+        if not Path(req.output_dir, f"failure-rank{env.rank}.json").is_file():
+            _write_rank_failure(req.output_dir, env.rank, {
+                "code": "out_of_memory", "message": f"{type(exc).__name__}: {exc}"[:8000],
+                "phase": "outside the training step"})
+        raise
+
+
+def _ran_out_of_memory(output_dir: str) -> bool:
+    """Whether a rank of this attempt (``output_dir`` is the attempt's own folder) wrote an out-of-memory failure."""
+    for path in Path(output_dir).glob("failure-rank*.json"):
+        try:
+            if json.loads(path.read_text()).get("code") == "out_of_memory":
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def _model_error(exc: ModelSourceError) -> dict:

@@ -25,6 +25,7 @@ from api.schemas import (
 )
 from service.domain.errors import UnprocessableEntity
 from service.jobs import crud as jobs
+from service.jobs.crud import spec_version
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -79,10 +80,11 @@ async def list_jobs(
     reads = request.app.state.reads
     page = await jobs.read_jobs(reads, principal, after=after, limit=limit, metadata=metadata, status=status,
                                 specs_known=SPEC_VIEWS)
-    views = [SPEC_VIEWS.get(row.id, page.specs.get(row.id)) for row in page]
+    views = [SPEC_VIEWS.get(row.id, page.specs.get(row.id), spec_version(row.attempt, row.status)) for row in page]
     if None in views:  # forgotten since the read (more than SpecViews.max_entries jobs seen meanwhile)
         specs = await jobs.read_specs(reads, principal, [row.id for row, view in zip(page, views) if view is None])
-        views = [view or SPEC_VIEWS.get(row.id, specs[row.id]) for row, view in zip(page, views)]
+        views = [view or SPEC_VIEWS.get(row.id, specs[row.id], spec_version(row.attempt, row.status))
+                 for row, view in zip(page, views)]
     return JSONBytes(jobs_page_json(page, views, page.has_more))
 
 
@@ -90,7 +92,11 @@ async def list_jobs(
 async def get_job(job_id: str, request: Request, principal: PrincipalDep):
     view = SPEC_VIEWS.get(job_id)
     row = await jobs.read_job(request.app.state.reads, principal, job_id, with_spec=view is None)
-    return JSONBytes(job_json(row, view or SPEC_VIEWS.get(row.id, row.spec_json)))
+    version = spec_version(row.attempt, row.status)
+    if view is not None and SPEC_VIEWS.get(job_id, version=version) is None:  # the spec changed (a downshift)
+        row = await jobs.read_job(request.app.state.reads, principal, job_id, with_spec=True)
+        view, version = None, spec_version(row.attempt, row.status)
+    return JSONBytes(job_json(row, view or SPEC_VIEWS.get(row.id, row.spec_json, version)))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=problems(401, 404, 409, 422, 429, 503))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from service.memory.nodes import publish_dashboard
 from service.scheduler import readiness
 from service.scheduler.lifetime import command_lifetime
 from service.scheduler.local_head import LocalRayHead, free_port
@@ -98,6 +99,8 @@ def background_scheduler(settings: Settings, *, ray_log: Path | None = None,
                 # loaded machine `ray start` misses its 30 s raylet registration now and then.
                 head.start(attempts=3)
             up.set()
+            if head is not None:  # the API's host-memory check reads the nodes from its dashboard
+                publish_dashboard(settings, head.dashboard_url)
             ray = ray_jobs_for(settings, head)
             while not stop.is_set():
                 try:
@@ -133,6 +136,7 @@ def background_scheduler(settings: Settings, *, ray_log: Path | None = None,
         thread.join(30)
         if head is not None:
             head.stop()
+            publish_dashboard(settings, None)
         readiness.clear(settings)
 
 

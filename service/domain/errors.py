@@ -245,9 +245,18 @@ class DoesNotFit(UnprocessableEntity):
 
     def __init__(self, plan: Plan, *, reason: str = ""):
         where = plan.gpu or "the host memory budget"
+        host = plan.host_memory
+        host_short = host is not None and host.fits is False
+        device_short = plan.margin_bytes is not None and plan.margin_bytes < 0
         message = (f"predicted peak {gib(plan.peak_bytes)} per rank does not fit {where}: "
                    f"{gib(plan.usable_bytes)} usable of {gib(plan.capacity_bytes)} "
-                   f"(safety margin {plan.safety_margin:.0%})")
+                   f"(safety margin {plan.safety_margin:.0%})") if device_short or not host_short else ""
+        if host_short:  # service/memory/host.py: the fullest node's RAM
+            message += ("; " if message else "") + (
+                f"predicted host memory {gib(host.node_need_bytes)} on the fullest node ({host.ranks_on_node} rank(s), "
+                f"at {host.node_peak_instant}) does not fit its {gib(host.node_memory_bytes)}: "
+                f"{gib(host.node_usable_bytes)} usable (safety margin {plan.safety_margin:.0%}), "
+                f"short by {gib(-host.node_margin_bytes)}")
         n = len(plan.suggestions)
         message += (f"; {n} change(s) that fit are in `suggestions`, cheapest first" if n
                     else "; no change the planner knows fits")

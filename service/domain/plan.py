@@ -163,6 +163,28 @@ class BoundPlan(BaseModel):
     activations_saved_bytes: int = 0
 
 
+class HostPlan(BaseModel):
+    """Host memory per rank and on the fullest node (service/memory/host.py): what offloading, loading,
+    checkpointing and exporting hold in the node's RAM, against the node's memory where it is known."""
+
+    per_rank_bytes: dict[str, int] = Field(default_factory=dict, description=(
+        "One rank's host bytes at each instant: load, step, checkpoint, export (export: rank 0)."))
+    rank0_export_extra_bytes: int = 0
+    runtime_bytes: int = Field(0, description="The worker process itself, counted in every instant.")
+    checked: bool = Field(False, description="Whether the node's memory was known and compared.")
+    fits: bool | None = Field(None, description="None: not checked.")
+    source: str | None = Field(None, description="Where the node's memory came from: ray | settings.")
+    node_id: str | None = None
+    ranks_on_node: int | None = None
+    node_instants_bytes: dict[str, int] = Field(default_factory=dict)
+    node_need_bytes: int | None = None
+    node_peak_instant: str | None = None
+    node_memory_bytes: int | None = None
+    node_usable_bytes: int | None = None
+    node_margin_bytes: int | None = Field(None, description="usable − need on the fullest node; negative: short.")
+    notes: list[str] = Field(default_factory=list)
+
+
 class Plan(BaseModel):
     """A job's predicted per-rank memory (the fullest rank's where ranks differ).
 
@@ -199,6 +221,8 @@ class Plan(BaseModel):
                                                     "(service/memory/accuracy.py), as a fraction of the peak.")
     accuracy_margin_bytes: int = Field(0, description="peak × accuracy_margin, included in need_bytes.")
     accuracy_source: str | None = Field(None, description="Where accuracy_margin was measured.")
+    # Added with host memory per node (service/memory/host.py); None on plans stored before.
+    host_memory: HostPlan | None = Field(None, description="Host memory per rank and on the fullest node.")
 
     @model_serializer(mode="wrap")
     def _without_unset_additions(self, handler):
@@ -230,7 +254,8 @@ class Plan(BaseModel):
         return out
 
 
-ADDED_FIELDS = ("data", "at_max_seq_length", "accuracy_margin", "accuracy_margin_bytes", "accuracy_source")
+ADDED_FIELDS = ("data", "at_max_seq_length", "accuracy_margin", "accuracy_margin_bytes", "accuracy_source",
+                "host_memory")
 
 
 def read_plan(value: Any) -> Plan | None:

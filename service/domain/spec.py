@@ -240,6 +240,15 @@ class TrainingOptions(Strict):
         None, ge=5, le=7 * 86400,
         description="A run with no new training step for this long is restarted from its latest checkpoint "
                     "(then failed `stalled` once max_failures is spent); default 10× its mean step time, at least 300 s.")
+    on_oom: Literal["fail", "downshift"] = Field(
+        "fail",
+        description="A worker that runs out of memory: fail the job (with its post-mortem), or downshift — resume "
+                    "from the latest checkpoint with the planner's cheapest change that fits and keeps the global "
+                    "batch and the optimizer (smaller micro-batch × more accumulation, then checkpointing, then "
+                    "offload/sharding).")
+    max_downshifts: int = Field(
+        2, ge=1, le=8,
+        description="How many times on_oom: downshift may change the job before an out-of-memory failure ends it.")
     telemetry_every_steps: int = Field(1, ge=1, le=100_000, description="Metrics and memory sample cadence.")
     memory_trace_every_steps: int = Field(
         10, ge=1, le=100_000, description="Cadence of the exact (≈2× step cost) per-category memory trace."

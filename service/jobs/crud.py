@@ -256,8 +256,17 @@ def list_jobs(
 # What GET job and the job list read: each job's row, without ORM objects (a read has no use for an
 # identity map), its JSON columns as the text the database holds — the API puts that text into its
 # answer as it is, so nothing is parsed and serialized again. The spec is read only when asked for:
-# it never changes after create, so the API keeps each job's view of it (api/schemas.py). The API
+# it changes only with the job's (attempt, queued) — an out-of-memory downshift — so the API keeps
+# each job's view of it per that version (api/schemas.py spec_version). The API
 # unpacks these rows by position (api/schemas.py job_document): a column added here goes there too.
+def spec_version(attempt: int, status: str) -> tuple[int, bool]:
+    """What a job's spec can only change with. The one change after create is an out-of-memory
+    downshift (service/scheduler/loop.py ``_downshift``): it writes the new spec in the transition
+    running → queued, the attempt unchanged, and the next claim raises the attempt — so (attempt,
+    queued) differs before and after it, and a view made from the old spec is not reused."""
+    return attempt, status == "queued"
+
+
 _jobs = Job.__table__.c
 JOB_ROW = (
     _jobs.id, _jobs.tenant_id, _jobs.status, _jobs.model, _jobs.training_file, _jobs.validation_file,
@@ -315,11 +324,11 @@ async def read_jobs(
     limit: int = 20,
     metadata: dict[str, str] | None = None,
     status: str | None = None,
-    specs_known: Container[str] = (),
+    specs_known: Container[tuple[str, tuple[int, bool]]] = (),
 ) -> Page:
     """list_jobs for a read: a page of JOB_ROW rows, newest first, in one statement. The page's
-    ``specs`` maps each listed id not in ``specs_known`` to its spec's text (one more statement, only
-    when there is such an id). An ``after`` cursor is compared inside the statement; only an empty
+    ``specs`` maps each listed id whose (id, :func:`spec_version`) is not in ``specs_known`` to its
+    spec's text (one more statement, only when there is such an id). An ``after`` cursor is compared inside the statement; only an empty
     page looks for it (a second statement), to tell an unknown cursor (422) from the end of the list.
     A filter on metadata or status builds its statement per request: those go through the engine."""
     params = {"tenant_id": principal.tenant_id, "limit": limit + 1, "after": after}
@@ -340,7 +349,8 @@ async def read_jobs(
     if not rows and after and await reads.first(_CURSOR_EXISTS, params) is None:
         raise UnprocessableEntity(f"unknown cursor {after!r}", param="after", code="invalid_cursor")
     page = Page(rows[:limit], has_more=len(rows) > limit)
-    page.specs = await read_specs(reads, principal, [r.id for r in page if r.id not in specs_known])
+    page.specs = await read_specs(reads, principal, [r.id for r in page
+                                                     if (r.id, spec_version(r.attempt, r.status)) not in specs_known])
     return page
 
 

@@ -55,8 +55,9 @@ from service.domain.records import (
 from service.domain.states import JobStatus
 from service.jobs import metrics, series
 from service.jobs.artifacts import output_root
-from service.jobs.crud import add_checkpoint, store_events, store_memory_samples, update_job
+from service.jobs.crud import add_checkpoint, add_event, store_events, store_memory_samples, update_job
 from service.memory.compare import summary_fields as memory_summary_fields
+from service.memory.downshift import DOWNSHIFT_EVENT
 from service.memory.oom import oom_error
 from service.settings import Settings
 from service.store.models import File, Job, JobEvent, new_id
@@ -223,6 +224,15 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
                             step=ending.step, phase=ending.phase, details=ending.details).model_dump(mode="json")
         if ending.code == "out_of_memory":  # + dominant category and the planner's suggestions
             error = oom_error(job, error, settings)
+        if ending.code == "out_of_memory" and downshifts_on_oom(job.spec):
+            # training.on_oom: downshift — the run stays ``running`` until Ray says it ended; then the
+            # scheduler (service/scheduler/loop.py: _downshift) requeues it with a smaller footprint
+            # or fails it with this very error. The event is how the scheduler learns of it.
+            add_event(session, job.id, oom_pending_message(error), level="warn", attempt=attempt,
+                      data={OOM_EVENT_KEY: error, "attempt": attempt}, dedupe_key=oom_dedupe_key(attempt))
+            if fields:
+                update_job(session, job.id, expected_attempt=attempt, **fields)
+            return IngestResult(accepted=new + 1, duplicates=dup, status=status)
         transition(session, job.id, JobStatus.failed, expected_attempt=attempt, error=error,
                    lease_owner=None, estimated_finish=None,
                    **{k: v for k, v in fields.items() if k != "estimated_finish"},
@@ -231,6 +241,27 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
     elif fields:
         update_job(session, job.id, expected_attempt=attempt, **fields)
     return IngestResult(accepted=new, duplicates=dup, status=status)
+
+
+# --- training.on_oom: downshift -------------------------------------------------------------------
+
+OOM_EVENT_KEY = "out_of_memory"  # the event data's key that holds the failure's structured error
+
+
+def downshifts_on_oom(spec: dict[str, Any] | None) -> bool:
+    """Whether the stored spec asks for an out-of-memory downshift instead of a failure."""
+    return ((spec or {}).get("training") or {}).get("on_oom") == "downshift"
+
+
+def oom_dedupe_key(attempt: int) -> str:
+    """One out-of-memory event per attempt (a retried post, or every rank's failure, stores one)."""
+    return f"oom:{attempt}"
+
+
+def oom_pending_message(error: dict[str, Any]) -> str:
+    where = ", ".join(f"{k} {error[k]}" for k in ("rank", "step", "phase") if error.get(k) is not None)
+    return (f"Out of memory ({where}): {error.get('message', '')[:300]} — training.on_oom is downshift: once the "
+            "run has ended the job resumes from its latest checkpoint with a change that keeps the training the same")
 
 
 class _Row:
@@ -296,6 +327,11 @@ def _write_results_file(session: Session, settings: Settings, job: Job, r: Resul
         "job_id": job.id, "attempt": job.attempt, "fine_tuned_model": r.fine_tuned_model,
         "artifacts": resolve_artifacts(output_root(job, settings), r.artifacts), "trained_tokens": r.trained_tokens,
         "metrics": r.metrics,
+        # what the run that finished ran with (after any out-of-memory downshift), and each downshift
+        "training": (job.spec or {}).get("training"),
+        "downshifts": [d for d in session.scalars(
+            select(JobEvent.data).where(JobEvent.job_id == job.id, JobEvent.dedupe_key.like(f"{DOWNSHIFT_EVENT}:%"))
+            .order_by(JobEvent.id))],
     }
     data = json.dumps(body, indent=1, default=str).encode()
     tmp = path.with_suffix(".part")

@@ -56,6 +56,7 @@ from service.domain.training import (
     stage_layers,
 )
 from service.memory.accuracy import accuracy_margin
+from service.memory import host as host_memory
 from service.memory.gpus import GPU, MiB, get_gpu
 from service.memory.shape import ModelShape
 
@@ -358,7 +359,7 @@ def trainable_parameters(spec: JobSpec, shape: ModelShape) -> int:
 
 def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size: int | None = None,
          safety_margin: float = 0.10, stage: int | None = None, seq_length: int | None = None,
-         padded: bool = False) -> Plan:
+         padded: bool = False, nodes=None) -> Plan:
     """Per-rank memory of ``spec`` training ``shape``; ``gpu`` (catalogue name) or the spec's gpu_type.
 
     On CPU workers (no GPU) the "device" is host memory: the capacity is the host budget when one is
@@ -367,6 +368,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     ``seq_length``: the padded width of the widest micro-batch when the data is known (service/memory/data.py),
     else every row is padded to ``max_seq_length``; ``padded``: that micro-batch holds shorter rows, so
     attention runs with a padding mask (not on a pipeline, whose stages run causal attention unmasked).
+    ``host_memory`` is service/memory/host.py's: per rank, and against the fullest of ``nodes``
+    (service/memory/nodes.py) when given — a node short of memory makes the plan not fit.
     """
     t = spec.training
     gpu = gpu or t.resources.gpu_type
@@ -510,6 +513,16 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         opt_temp_unit = (Pt // N) * 4 if stage >= 1 else opt_temp_unit
     else:  # pragma: no cover - the spec enum has no other value
         raise ValueError(f"unknown strategy {strategy!r}")
+    # what the offloading libraries allocate on the host beyond the states (service/memory/host.py)
+    trainable_numels = _trainable_numels(spec, shape, targets)
+    extra = host_memory.offload_terms(
+        spec, world=N, on_gpu=on_gpu, trainable_numels=trainable_numels,
+        all_numels=shape.parameter_numels() + (trainable_numels if not full else []),
+        trainable_dtype=rg.trainable_dtype, grad_dtype=rg.grad_dtype)
+    host.gradients += extra.gradients
+    host.overhead += extra.overhead
+    if extra.overhead:
+        assumptions.append("host: pinned buffers rounded up to powers of two (torch's pinned allocator)")
 
     # --- activations and the peak ----------------------------------------------------------
     if stage_views:  # every stage is planned; the fullest decides
@@ -540,7 +553,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         # DeepSpeed ZeRO ≥ 1: the fp32 master partition gets a flattened fp32 copy of its gradients for the step.
         master_grad = (Pt // N) * 4 if (strategy == "deepspeed" and ds.zero_stage >= 1) else 0
         step_temp = master_grad + 2 * opt_temp_unit
-        host.temporary = step_temp if (offloaded_step and on_gpu) else 0
+        # FSDP2's offloaded step is torch's AdamW on host tensors (its temporaries are host memory);
+        # DeepSpeed's is DeepSpeedCPUAdam (deepspeed/ops/adam/cpu_adam.py: C++, in place on the fp32
+        # partition, whose gradient buffer host.gradients already holds): no host temporaries
+        host.temporary = step_temp if (offloaded_step and on_gpu and strategy != "deepspeed") else 0
         # (gradients live, activations live, temporaries) at each candidate instant
         cands: dict[str, tuple[int, int, int]] = {
             "forward": (g_fwd, A,
@@ -589,7 +605,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     if accuracy_bytes:
         assumptions.append(f"plus the planner's measured under-prediction for this strategy, {accuracy:.2%} of the "
                            f"peak ({accuracy_source})")
-    return Plan(
+    result = Plan(
         fits=fits, parameter_count=P, trainable_parameter_count=Pt, world_size=N, gpu=g.name if g else None,
         capacity_bytes=capacity, usable_bytes=usable, safety_margin=safety_margin,
         # on CPU workers offloaded state shares the RAM with the "device" and is added
@@ -599,6 +615,13 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         memory_policy=t.memory_policy, accuracy_margin=accuracy, accuracy_margin_bytes=accuracy_bytes,
         accuracy_source=accuracy_source,
     )
+    result.host_memory = host_memory.host_plan(
+        spec, result, base_params=shape.parameter_count(), trainable=Pt if not full else 0,
+        largest_numel=max(shape.parameter_numels(), default=0), runtime_bytes=CPU_RUNTIME_BYTES,
+        nodes=nodes, safety_margin=safety_margin)
+    if result.host_memory.fits is False:
+        result.fits = False
+    return result
 
 
 def _trainable_numels(spec: JobSpec, shape: ModelShape, targets: set[str] | None) -> list[int]:
@@ -711,6 +734,16 @@ def _candidates(spec: JobSpec, gpu: str | None) -> list[tuple[str, str, int, dic
                      "training.deepspeed.offload_optimizer": "cpu", "training.deepspeed.offload_param": "cpu"}))
     if t.strategy == StrategyName.fsdp and not t.fsdp.cpu_offload:
         out.append(("fsdp_offload", "FSDP2 with CPU offload of the shards", 6, {"training.fsdp.cpu_offload": True}))
+    # Host memory short (service/memory/host.py): bring offloaded state back to the GPU where it fits there.
+    if t.strategy == StrategyName.deepspeed and t.deepspeed.offload_param == "cpu":
+        out.append(("no_offload_param", "keep the parameters on the GPU (less host memory)", 3,
+                    {"training.deepspeed.offload_param": "none"}))
+    if t.strategy == StrategyName.deepspeed and t.deepspeed.offload_optimizer == "cpu":
+        out.append(("no_offload", "keep parameters and optimizer states on the GPU (less host memory)", 4,
+                    {"training.deepspeed.offload_param": "none", "training.deepspeed.offload_optimizer": "none"}))
+    if t.strategy == StrategyName.fsdp and t.fsdp.cpu_offload:
+        out.append(("no_fsdp_offload", "keep the FSDP2 shards on the GPU (less host memory)", 4,
+                    {"training.fsdp.cpu_offload": False}))
     if t.strategy in (StrategyName.fsdp, StrategyName.deepspeed) or n > 1:
         for extra in (2, 4):
             out.append((f"workers_{n * extra}", f"{n * extra} workers (more shards per rank)", 4 + extra,
@@ -721,7 +754,7 @@ def _candidates(spec: JobSpec, gpu: str | None) -> list[tuple[str, str, int, dic
 
 
 def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
-            limit: int = 8, seq_length: int | None = None, padded: bool = False) -> list[Change]:
+            limit: int = 8, seq_length: int | None = None, padded: bool = False, nodes=None) -> list[Change]:
     """Changes that would make ``spec`` fit, cheapest first, each with its predicted peak.
 
     Single changes first; when none fits alone, cumulative combinations in cost order (e.g. bf16,
@@ -732,7 +765,7 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
     for name, desc, cost, patch in _candidates(spec, gpu):
         try:
             s2 = _patched(spec, patch)
-            p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded)
+            p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded, nodes=nodes)
         except Exception:  # noqa: BLE001 - a candidate the spec rules refuse is simply not offered
             continue
         singles.append((name, desc, cost, patch, p))
@@ -750,7 +783,7 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
         trial = {**combo_patch, **patch}
         try:
             s2 = _patched(spec, trial)
-            p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded)
+            p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded, nodes=nodes)
         except Exception:  # noqa: BLE001
             continue
         if len(names) >= 1 and p.peak_bytes >= plan(_patched(spec, combo_patch), shape, gpu,

@@ -88,26 +88,31 @@ def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | 
     from service.memory import planner
     from service.memory.data import data_shape
     from service.memory.gpus import get_gpu
+    from service.memory.nodes import cluster_nodes
 
     resolved = resolve_shape(spec, settings, model_path)
     gpu = _gpu_for(spec, gpu)
     if gpu:
         gpu = get_gpu(gpu).name  # UnknownGPU names the catalogue
     margin = settings.memory_safety_margin
+    nodes = cluster_nodes(settings)  # the host-memory check per node (service/memory/host.py)
     data = data_shape(spec, training_path, settings.model_dirs, model_path)
     seq = data.planned_seq_length if data.measured else None
-    p = planner.plan(spec, resolved.shape, gpu, safety_margin=margin, seq_length=seq, padded=data.padded)
-    bound = p if seq is None else planner.plan(spec, resolved.shape, gpu, safety_margin=margin)  # rows filling it
+    p = planner.plan(spec, resolved.shape, gpu, safety_margin=margin, seq_length=seq, padded=data.padded, nodes=nodes)
+    # rows filling max_seq_length: the worst case for any data
+    bound = p if seq is None else planner.plan(spec, resolved.shape, gpu, safety_margin=margin, nodes=nodes)
     update: dict[str, Any] = {
         "model": ModelInfo(name=spec.model, source=resolved.source, **resolved.shape.to_dict()), "data": data}
     informative = p.gpu is None and spec.training.resources.host_memory_budget_bytes is None
     if informative:
         why = ("no GPU named and no host memory budget: the plan is informative (nothing to fit "
-               "into), the job is never refused")
-        update.update(fits=True, capacity_bytes=None, usable_bytes=None, margin_bytes=None,
-                      assumptions=[*p.assumptions, why])
+               "into), the job is never refused" if not (p.host_memory and p.host_memory.checked) else
+               "no GPU named and no host memory budget: nothing to fit into per rank; the node's memory "
+               "is checked (host_memory)")
+        update.update(fits=p.host_memory is None or p.host_memory.fits is not False, capacity_bytes=None,
+                      usable_bytes=None, margin_bytes=None, assumptions=[*p.assumptions, why])
     update["at_max_seq_length"] = BoundPlan(
-        seq_length=spec.training.hyperparameters.max_seq_length, fits=True if informative else bound.fits,
+        seq_length=spec.training.hyperparameters.max_seq_length, fits=update.get("fits", bound.fits),
         peak_bytes=bound.peak_bytes, need_bytes=bound.need_bytes,
         margin_bytes=None if informative else bound.margin_bytes, peak_phase=bound.peak_phase,
         per_rank=bound.per_rank, activations_saved_bytes=bound.activations_saved_bytes)
@@ -115,7 +120,7 @@ def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | 
     changes = []
     if not p.fits:
         changes = [s for s in planner.suggest(spec, resolved.shape, gpu, safety_margin=margin, limit=12, seq_length=seq,
-                                                  padded=data.padded)
+                                                  padded=data.padded, nodes=nodes)
                    if s.plan.fits and not check_rules(s.spec)][:MAX_SUGGESTIONS]
     p.suggestions = [_suggestion(i + 1, spec, c) for i, c in enumerate(changes)]
     return p, changes

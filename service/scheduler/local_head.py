@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.memory.nodes import auth_headers
 from service.scheduler.lifetime import OWNER_ENV, Ownership, process_started
 
 
@@ -40,21 +41,6 @@ def ray_env(auth_mode: str = "disabled") -> dict[str, str]:
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     return env
-
-
-def auth_headers(auth_mode: str) -> dict[str, str]:
-    """The header Ray's dashboard wants in token mode (it answers 401 otherwise), with the token
-    found where Ray looks for it: RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token."""
-    if auth_mode != "token":
-        return {}
-    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
-    if not token:
-        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-        try:
-            token = path.read_text().strip()
-        except OSError:
-            return {}
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 @dataclass

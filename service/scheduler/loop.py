@@ -78,6 +78,7 @@ from service.domain.errors import (
 from service.domain.model_ref import resolve_model
 from service.domain.spec import JobSpec, RunRequest
 from service.domain.states import EVENT_MESSAGES, TERMINAL, JobStatus
+from service.domain.units import human_bytes
 from service.jobs import ingest, metrics, quotas
 from service.jobs.crud import add_event, purge_idempotency_keys
 from service.scheduler import faults
@@ -603,6 +604,10 @@ class Scheduler:
         if self._replay_spool(job_id, attempt) != JobStatus.running.value:
             self._watch.pop(job_id, None)
             return
+        oom = self._pending_oom(job_id, attempt)
+        if oom is not None:  # training.on_oom: downshift (service/jobs/ingest.py held the failure back)
+            self._downshift(job_id, attempt, sid, oom)
+            return
         if st.status == "SUCCEEDED":
             self._fail(job_id, attempt, "missing_result",
                        f"Ray job {sid} succeeded but the worker never reported a result")
@@ -753,6 +758,83 @@ class Scheduler:
                  event_data={"reason": reason, "submission_id": sid, "attempt": attempt,
                              **({"detail": detail} if detail else {})})
         self._watch.pop(job_id, None)
+
+    def _pending_oom(self, job_id: str, attempt: int) -> dict | None:
+        """The out-of-memory failure of this attempt that ingest held back for a downshift, or None."""
+        with self.sessions() as s:
+            data = s.scalar(select(JobEvent.data).where(JobEvent.job_id == job_id,
+                                                        JobEvent.dedupe_key == ingest.oom_dedupe_key(attempt)))
+        return (data or {}).get(ingest.OOM_EVENT_KEY) if data else None
+
+    def _downshift(self, job_id: str, attempt: int, sid: str, error: dict) -> None:
+        """``training.on_oom: downshift``, once the attempt that ran out of memory has ended in Ray:
+        requeue the job — running → queued, fenced on the attempt and this scheduler's lease like the
+        other requeues — with the spec service/memory/downshift.py chooses (same global batch, same
+        optimizer) and its plan, so the next claim is a new attempt that resumes from the latest
+        checkpoint with it. A job event says what changed, with the plans before and after. When
+        ``training.max_downshifts`` are spent, or no change fits, the job fails ``out_of_memory`` with
+        the worker's post-mortem, the reason added."""
+        from service.memory import downshift
+        from service.memory.compare import initial_summary
+
+        with self.sessions() as s:
+            job = s.get(Job, job_id)
+            if (job is None or job.attempt != attempt or job.status != JobStatus.running.value
+                    or job.lease_owner != self.owner):
+                return
+            spec = JobSpec.model_validate(job.spec)
+        done = self._requeues(job_id, frozenset({downshift.DOWNSHIFT_REASON}))
+        limit = spec.training.max_downshifts
+        where = ", ".join(f"{k} {error[k]}" for k in ("rank", "step", "phase") if error.get(k) is not None)
+        if done >= limit:
+            return self._fail_oom(job_id, attempt, error, f"training.max_downshifts ({limit}) already spent")
+        try:
+            model_path = resolve_model(spec.model, self.settings.model_dirs).local_dir
+            choice = downshift.choose(spec, self.settings, error, model_path)
+        except Exception as exc:  # noqa: BLE001 - a failure to plan must not lose the post-mortem
+            log.exception("job %s: no downshift could be planned", job_id)
+            return self._fail_oom(job_id, attempt, error, f"no downshift could be planned ({_first_line(exc)})")
+        if isinstance(choice, downshift.NoDownshift):
+            return self._fail_oom(job_id, attempt, error, choice.why, tried=choice.tried)
+        n = done + 1
+        changes = ", ".join(f"{k.removeprefix('training.')} {v0} → {choice.spec_changes[k]}"
+                            for k, v0 in downshift.before_values(spec, choice.spec_changes).items())
+        need = (f"; predicted need {human_bytes(choice.before.need_bytes)} → {human_bytes(choice.after.need_bytes)}"
+                if choice.before is not None and choice.after is not None else "")
+        message = (f"Downshift {n} of training.max_downshifts {limit} after running out of memory ({where}): "
+                   f"{choice.description} ({changes}){need}; resuming from the latest checkpoint")
+        data = {"downshift": n, "max_downshifts": limit, "attempt": attempt, "submission_id": sid,
+                "change": choice.change, "description": choice.description,
+                "spec_changes": choice.spec_changes,
+                "before_values": downshift.before_values(spec, choice.spec_changes),
+                "before": downshift.summary(choice.before), "after": downshift.summary(choice.after),
+                "miss_factor": round(choice.miss, 4), "why": choice.why, "tried": choice.tried,
+                "out_of_memory": {k: error.get(k) for k in ("code", "message", "rank", "step", "phase")}}
+        plan = choice.after.model_dump(mode="json") if choice.after is not None else None
+        with self.sessions.begin() as s:
+            job = s.get(Job, job_id)
+            if job is not None and job.desired_state == "cancel":
+                _try(transition, s, job_id, JobStatus.cancelled, expected_attempt=attempt,
+                     expected_owner=self.owner, lease_owner=None)
+                return
+            moved = _try(transition, s, job_id, JobStatus.queued, expected_attempt=attempt,
+                         expected_owner=self.owner, lease_owner=None, lease_expires_at=None, ray_status=None,
+                         spec=choice.spec.model_dump(mode="json"), plan=plan,
+                         memory_summary=initial_summary(plan) if plan is not None else None,
+                         event_data={"reason": downshift.DOWNSHIFT_REASON, "submission_id": sid,
+                                     "attempt": attempt, "downshift": n})
+            if moved is not None:
+                add_event(s, job_id, message, level="warn", attempt=attempt,
+                          dedupe_key=f"{downshift.DOWNSHIFT_EVENT}:{n}", data=data)
+        self._watch.pop(job_id, None)
+
+    def _fail_oom(self, job_id: str, attempt: int, error: dict, why: str, tried: list | None = None) -> None:
+        """Fail the job with the worker's out-of-memory post-mortem, saying why it was not downshifted."""
+        details = {**(error.get("details") or {}), "downshift": {"why": why, **({"tried": tried} if tried else {})}}
+        ended = {**error, "message": f"{error.get('message', 'out of memory')} — not downshifted: {why}"[:8000],
+                 "details": details}
+        metrics.SCHEDULER_FAILURES.labels("out_of_memory").inc()  # /metrics
+        self._finish(job_id, attempt, JobStatus.failed, error=ended, lease_owner=None)
 
     def _lost_runs(self, job_id: str) -> int:
         return self._requeues(job_id, LOST_REASONS)
