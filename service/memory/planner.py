@@ -50,6 +50,7 @@ from service.domain.training import (
     feedforward_targets,
     in_flight_microbatches,
     lora_targets,
+    loss_chunk_problem,
     pipeline_problem,
     regime,
     stage_layers,
@@ -110,13 +111,16 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
 
 
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
-                attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False) -> Activations:
+                attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
+                loss_chunk_tokens: int | None = None) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
     saves the input even when the weight is frozen (LoRA's base), wherever the input needs a gradient.
     ``input_grad``: the first block's input needs a gradient whatever trains (a pipeline stage after
     the first receives its input from the stage before and sends its gradient back).
+    ``loss_chunk_tokens``: the LM head and the loss run chunk by chunk (workers/chunked_loss.py); the
+    vocabulary-sized terms are one chunk's.
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -217,9 +221,27 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     loss_saved = T * V * 4 + T * 8  # log-softmax output (fp32) and the int64 targets
     logits = T * V * (4 if regime.name == "fp32" else 2)
     loss_copy = 0 if regime.name == "fp32" else T * V * 4  # fp32: a view; 16-bit logits: .float() copies
+    loss_grad = 2 * T * V * 4
+    if loss_chunk_tokens:
+        # workers/chunked_loss.py runs each chunk of c tokens under non-reentrant checkpointing
+        # (torch/utils/checkpoint.py): forward keeps only the chunk's input and targets, so the plain
+        # head's saved input (its bf16 copy under autocast) gives way to the final hidden states themselves,
+        # kept whether or not the head trains, in the residual stream's dtype.
+        c = min(loss_chunk_tokens, T)
+        if full:
+            final -= T * h * (2 if regime.act == 2 else 4)
+        loss_saved = T * h * res + T * 8  # the head's input, the int64 targets
+        # one chunk's fp32 logits (16-bit logits are freed once ``.float()`` has copied them) and its
+        # log-softmax, freed when the chunk's loss is summed (measured: the 16-bit logits are not live then)
+        logits = c * V * 4
+        loss_copy = c * V * 4
+        # in backward, one chunk at a time: its recomputed log-softmax and two fp32 gradients, plus the
+        # gradient of the hidden states being summed over the chunks and, where the head trains, a chunk's
+        # weight gradient in the compute dtype before it is added to .grad (measured, fp32/autocast/LoRA)
+        loss_grad = 3 * c * V * 4 + T * h * res + (V * h * a if full else 0)
     ckpt_layer = T * h * res
     bwd_temp = 2 * T * i * a + 2 * T * h * 4
-    return Activations(layer, final, loss_saved, logits, loss_copy, 2 * T * V * 4, ckpt_layer, bwd_temp)
+    return Activations(layer, final, loss_saved, logits, loss_copy, loss_grad, ckpt_layer, bwd_temp)
 
 
 # --- pipeline stages -----------------------------------------------------------------------------
@@ -330,6 +352,18 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     strategy = t.strategy.value
     ds = t.deepspeed
     qlora = t.peft.method == PeftMethod.qlora
+    if t.activation_offload and on_gpu:
+        assumptions.append("activation offload: the forward's saved activations in pinned host memory (torch's "
+                           "pinned allocator rounds each block up to a power of two), one block's back on the "
+                           "device at a time in backward")
+    if t.loss_chunk_tokens:
+        problem = loss_chunk_problem(shape.extra.get("final_logit_softcapping"))
+        if problem:
+            from service.domain.errors import SpecInvalid
+
+            raise SpecInvalid([{"param": "training.loss_chunk_tokens", "message": problem, "code": "invalid_value"}])
+        assumptions.append(f"loss: LM head and cross-entropy over chunks of {min(t.loss_chunk_tokens, b * s)} "
+                           "tokens, each recomputed in backward")
 
     dev, host = Breakdown(), Breakdown()
     # --- model states (steady state: optimizer states exist) -----------------------------
@@ -347,6 +381,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     master = 0
     gathered = 0  # params materialised at the loss (forward's end, backward's start) beyond the shards
     gathered_layer = 0  # params materialised while one block runs (its forward, recompute or backward)
+    loss_gathered = 0  # params gathered while the loss runs (forward) and is differentiated, beyond ``gathered``
     comm = 0  # communication buckets
     opt_temp_unit = max(_largest_trainable(spec, shape, targets), 1) * 4
 
@@ -382,6 +417,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             # backward reaches it: at the loss no unsharded parameter is live (measured).
             gathered = 0
             gathered_layer = 2 * layer_unsharded  # the running block and the prefetched next one
+            if t.loss_chunk_tokens:  # a chunked loss runs inside the root's forward, and it is the root's
+                loss_gathered = root  # output, whose pre-backward hook re-gathers the root before the chunks' backward
+                if not on_gpu:  # gloo's thread holds a root-sized copy while it gathers/reduces the root, which then
+                    loss_gathered += root  # overlaps the chunks' backward on one rank (measured: alternating ranks)
         else:
             gathered = shape.num_layers * layer_unsharded + root
             gathered_layer = gathered
@@ -445,7 +484,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                    if stage is None or v.index == stage]
     else:
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
-                          zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3)
+                          zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3,
+                          loss_chunk_tokens=t.loss_chunk_tokens)
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
@@ -469,13 +509,22 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         master_grad = (Pt // N) * 4 if (strategy == "deepspeed" and ds.zero_stage >= 1) else 0
         step_temp = master_grad + 2 * opt_temp_unit
         host.temporary = step_temp if (offloaded_step and on_gpu) else 0
+        # workers/activation_offload.py: what the model's forward saves goes to pinned host memory as it is
+        # saved and comes back for the backward op that reads it; the loss runs outside those hooks, so its
+        # log-softmax stays. Tensors under 1 MiB (per-token statistics) stay too and are not counted.
+        offload_act = t.activation_offload and on_gpu and view is None
+        A_dev = act.loss_saved_bytes if offload_act else A
+        host.activations = A - act.loss_saved_bytes if offload_act else 0
         # (gradients live, activations live, temporaries) at each candidate instant
         cands: dict[str, tuple[int, int, int]] = {
-            "forward": (g_fwd, A,
-                        gathered + act.logits_bytes + act.loss_copy_bytes),
-            "backward": (g_fwd, A, gathered + act.loss_grad_bytes),
+            "forward": (g_fwd, A_dev,
+                        gathered + loss_gathered + act.logits_bytes + act.loss_copy_bytes),
+            "backward": (g_fwd, A_dev, gathered + loss_gathered + act.loss_grad_bytes),
         }
-        if t.gradient_checkpointing:
+        if offload_act:  # one block's saved tensors back on the device at a time (or its recomputation)
+            cands["backward_layer"] = (g_all, max(act.layer_bytes, default=0),
+                                       gathered_layer + act.layer_backward_temp_bytes)
+        elif t.gradient_checkpointing:
             cands["backward_recompute"] = (g_all, A - act.loss_saved_bytes + max(act.layer_bytes),
                                            gathered_layer + act.layer_backward_temp_bytes)
         cands["backward_end"] = (g_all, 0, gathered_layer + comm + opt_temp_unit // 4)
