@@ -136,19 +136,11 @@ def _batches(args, vocab: int, step: int) -> list[dict]:
     return [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
 
 
-def run_config(name: str, model_dir: str, device_name: str, steps: int, tiny: bool, gpu: str | None,
-               workdir: str) -> dict:
-    """Train ``name`` for ``steps`` steps with the workers' own code; the last step measured alone."""
-    import torch
-
-    from workers import steps as W
+def config_args(name: str, model_dir: str, on_gpu: bool, steps: int, tiny: bool, workdir: str):
+    """The TrainArgs of config ``name``."""
     from workers.args import TrainArgs
-    from workers.strategies.common import autocast_dtype, build_model, training_regime
 
-    overrides, needs_cuda = CONFIGS[name]
-    overrides = {**overrides, **(TINY_OVERRIDES.get(name, {}) if tiny else {})}
-    device = torch.device(device_name)
-    on_gpu = device.type == "cuda"
+    overrides = {**CONFIGS[name][0], **(TINY_OVERRIDES.get(name, {}) if tiny else {})}
     out_dir = str(Path(workdir) / "runs" / name)  # the worker's output_dir: an OOM record lands here
     args = TrainArgs(**{**dict(job_id=f"gpu-check-{name}", output_dir=out_dir, training_path="-", model="gpu-check",
                                model_path=model_dir, micro_batch_size=1, max_seq_length=SEQ_TINY if tiny else SEQ,
@@ -156,12 +148,32 @@ def run_config(name: str, model_dir: str, device_name: str, steps: int, tiny: bo
                                memory_trace_every_steps=0 if on_gpu else 1), **overrides})
     if name == "oom" and not on_gpu:  # a CPU worker runs out of its host budget instead (workers/telemetry.py)
         args.host_memory_budget_bytes = 64 * MiB
-    row: dict = {"config": name, "device": device_name}
+    return args
+
+
+def predicted_row(name: str, args, on_gpu: bool, gpu: str | None, device_name: str):
+    """(row with the prediction, spec, settings, plan)."""
     spec, settings, plan = predict(args, on_gpu, gpu)
-    peak_phase = plan.peak_phase
     overhead = plan.per_rank.device.overhead
-    row.update(predicted_live_bytes=plan.peak_bytes - overhead, predicted_device_bytes=plan.peak_bytes,
-               predicted_host_bytes=plan.per_rank.host.total, predicted_phase=peak_phase, fits=plan.fits)
+    row = {"config": name, "device": device_name, "predicted_live_bytes": plan.peak_bytes - overhead,
+           "predicted_device_bytes": plan.peak_bytes, "predicted_host_bytes": plan.per_rank.host.total,
+           "predicted_phase": plan.peak_phase, "fits": plan.fits}
+    return row, spec, settings, plan
+
+
+def run_config(name: str, model_dir: str, device_name: str, steps: int, tiny: bool, gpu: str | None,
+               workdir: str) -> dict:
+    """Train ``name`` for ``steps`` steps with the workers' own code; the last step measured alone."""
+    import torch
+
+    from workers import steps as W
+    from workers.strategies.common import autocast_dtype, build_model, training_regime
+
+    needs_cuda = CONFIGS[name][1]
+    device = torch.device(device_name)
+    on_gpu = device.type == "cuda"
+    args = config_args(name, model_dir, on_gpu, steps, tiny, workdir)
+    row, spec, settings, plan = predicted_row(name, args, on_gpu, gpu, device_name)
     if needs_cuda and not on_gpu:
         row["skipped"] = "needs CUDA (" + ("QLoRA's 4-bit base: workers/peft_setup.py load_qlora_base"
                                           if name == "qlora" else "fp16's grad scaler: workers/steps.py make_grad_scaler") + ")"
@@ -356,12 +368,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where the model and the runs' outputs go (default: a new temp folder)")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--timeout-per-config", type=float, default=150.0, help="seconds before a config's process is killed")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print the predictions for the 1B on --gpu (default h100-80gb) without training (no GPU needed)")
     ap.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
+    if a.plan_only:
+        return plan_only(a)
     if a.dry_run:
         a.device, a.tiny = a.device or "cpu", True
     a.device = a.device or ("cuda" if torch.cuda.is_available() else None)
@@ -404,6 +420,21 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1, default=str))
     return 1 if any(r.get("crash") for r in rows) else 0
+
+
+def plan_only(a) -> int:
+    """The predicted columns of every config for the 1B (a config.json is all the planner reads)."""
+    root = Path(a.workdir or tempfile.mkdtemp(prefix="memfit-gpu-check-"))
+    model_dir = root / "model-config"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(TINY if a.tiny else LLAMA_1B))
+    gpu = a.gpu or "h100-80gb"
+    rows = [predicted_row(n, config_args(n, str(model_dir), True, a.steps, a.tiny, str(root)), True, gpu, gpu)[0]
+            for n in CONFIGS if not a.only or n in a.only.split(",")]
+    for r in rows:
+        r["skipped"] = f"plan only; peak phase {r['predicted_phase']}, {'fits' if r['fits'] else 'does NOT fit'}"
+    print_table(rows)
+    return 0
 
 
 def _in_child(name: str, model_dir: str, a) -> dict:
