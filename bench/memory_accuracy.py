@@ -4,6 +4,7 @@
     .venv/bin/python bench/memory_accuracy.py                    # the full 192-config matrix (~36 min)
     .venv/bin/python bench/memory_accuracy.py --save m.json      # keep the measurements
     .venv/bin/python bench/memory_accuracy.py --load m.json      # re-predict without re-measuring
+    .venv/bin/python bench/memory_accuracy.py --chunked          # the chunked cross-entropy configs (10)
 
 Each config trains a random-init preset (small-llama, small-qwen2: hidden 256, 4 layers, vocab
 8000) for 3 optimizer steps with the workers' own setup code (workers/strategies/: build_model,
@@ -53,6 +54,7 @@ class Case:
     strategy: str = "ddp1"  # one of STRATEGIES
     micro_batch: int = 4
     steps: int = 3
+    loss_chunk: int | None = None  # training.loss_chunk_tokens (workers/chunked_loss.py)
 
     @property
     def world(self) -> int:
@@ -61,7 +63,8 @@ class Case:
     @property
     def name(self) -> str:
         return (f"{self.family.split('-')[1]:5s} s{self.seq:<4d} {self.peft:4s} {self.precision} "
-                f"{'ckpt' if self.ckpt else '    '} {self.strategy}")
+                f"{'ckpt' if self.ckpt else '    '} {self.strategy}"
+                + (f" chunk{self.loss_chunk}" if self.loss_chunk else ""))
 
     def spec_body(self) -> dict:
         """The job spec a user would submit for this case."""
@@ -73,6 +76,8 @@ class Case:
             "hyperparameters": {"micro_batch_size": self.micro_batch, "max_seq_length": self.seq},
             "resources": {"num_workers": self.world},
         }
+        if self.loss_chunk:
+            training["loss_chunk_tokens"] = self.loss_chunk
         if self.peft == "lora":
             training["peft"] = {"method": "lora", "r": 8}
         if strategy == "pipeline":
@@ -87,6 +92,16 @@ class Case:
 
 FAMILIES = ("small-llama", "small-qwen2")
 _STRATEGY = {"ddp1": "ddp", "fsdp2": "fsdp", "pp2": "pipeline"}  # the bench's names → the spec's
+
+
+def chunked_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
+    """training.loss_chunk_tokens: both families at seq 512 (2048 tokens a micro-batch, in chunks of 512),
+    over the regimes the chunked head meets (fp32, autocast, LoRA + bf16, pure bf16 under FSDP2/ZeRO-3)."""
+    return [Case(f, 512, p, pr, c, st, steps=FSDP2_STEPS if st == "fsdp2" else 3, loss_chunk=512)
+            for f in families
+            for p, pr, c, st in (("none", "fp32", False, "ddp1"), ("none", "bf16", False, "ddp1"),
+                                 ("lora", "bf16", True, "ddp1"), ("none", "bf16", False, "fsdp2"),
+                                 ("lora", "fp32", False, "zero3"))]
 
 
 def matrix(quick: bool, families: tuple[str, ...] = FAMILIES) -> list[Case]:
@@ -127,6 +142,7 @@ def _train_args(case: Case, out_dir: str):
         precision=case.precision, gradient_checkpointing=case.ckpt, micro_batch_size=case.micro_batch,
         max_seq_length=case.seq, peft_method=case.peft, ds_stage=ds_stage, ds_offload_optimizer=off,
         ds_offload_param=off, telemetry_every_steps=1, memory_trace_every_steps=1 if case.steps > 3 else 10_000, max_steps=case.steps,
+        loss_chunk_tokens=case.loss_chunk,
     )
 
 
@@ -462,7 +478,7 @@ def run(cases: list[Case], *, load: str | None = None, save: str | None = None, 
     if load:
         for path in load.split(","):
             for m in json.loads(Path(path).read_text()):
-                measured[json.dumps(m["case"], sort_keys=True)] = m
+                measured[json.dumps(asdict(Case(**m["case"])), sort_keys=True)] = m
     from workers.models import build_preset
 
     dirs: dict[str, str] = {}
@@ -560,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-every", type=int, default=10, help="with --overhead: the trace cadence to measure")
     ap.add_argument("--loaded-only", action="store_true", help="with --load: report exactly the loaded configs")
     ap.add_argument("--markdown", help="also write the per-config table as Markdown to this file")
+    ap.add_argument("--chunked", action="store_true",
+                    help="the chunked cross-entropy configs (training.loss_chunk_tokens) instead of the matrix")
     ap.add_argument("--families", default=",".join(FAMILIES),
                     help="comma-separated presets for the matrix (small-gpt2 and small-gemma exist too)")
     a = ap.parse_args(argv)
@@ -568,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cases = matrix(a.quick, tuple(a.families.split(",")))
+    cases = chunked_matrix(tuple(a.families.split(","))) if a.chunked else matrix(a.quick, tuple(a.families.split(",")))
     if a.load and a.loaded_only:
         cases = []
         for path in a.load.split(","):

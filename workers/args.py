@@ -22,6 +22,8 @@ class TrainArgs:
     precision: str = "fp32"
     gradient_checkpointing: bool = False
     attention: str = "sdpa"
+    loss_chunk_tokens: int | None = None  # workers/chunked_loss.py; None: the whole micro-batch at once
+    activation_offload: bool = False  # workers/activation_offload.py
     learning_rate: float = 2e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
@@ -92,6 +94,8 @@ def train_args(req: RunRequest, fail_at: str | None = None) -> TrainArgs:
         precision=t.precision.value,
         gradient_checkpointing=t.gradient_checkpointing,
         attention=t.attention,
+        loss_chunk_tokens=t.loss_chunk_tokens,
+        activation_offload=t.activation_offload,
         learning_rate=r.learning_rate,
         weight_decay=hp.weight_decay,
         warmup_steps=hp.warmup_steps,

@@ -26,7 +26,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from workers.activation_offload import offloading
 from workers.args import TrainArgs
+from workers.chunked_loss import loss_targets
 from workers.telemetry import HostMemoryExceeded, StepTelemetry
 
 # --- where this worker runs ---------------------------------------------------------------------
@@ -128,10 +130,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logit's gradient is the same: Hugging Face's ForCausalLMLoss shifts the same way."""
     if logits.shape[1] > labels.shape[1]:
         logits = logits[:, -labels.shape[1] :]
-    labels = labels.to(logits.device, non_blocking=True)
-    shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+    shift_labels = shifted_labels(labels.to(logits.device, non_blocking=True))
     flat = logits.reshape(-1, logits.shape[-1]).float()
     return F.cross_entropy(flat, shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The label each position predicts: the next token's, -100 after the last."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
 
 
 def label_tokens(batch: dict) -> int:
@@ -153,11 +159,19 @@ def make_grad_scaler(precision: str, device: torch.device):
     return torch.amp.GradScaler("cuda")
 
 
-def forward_loss_sum(model, batch: dict, device: torch.device, amp_dtype) -> torch.Tensor:
-    with autocast(device, amp_dtype):
+def forward_loss_sum(model, batch: dict, device: torch.device, amp_dtype, offload_activations: bool = False) -> torch.Tensor:
+    """The micro-batch's summed token loss. A head made chunked (workers/chunked_loss.py, training.
+    loss_chunk_tokens) computes it inside the forward from the labels set here; otherwise it is
+    token_loss_sum of the logits. ``offload_activations`` moves what the model's forward saves to host
+    memory (workers/activation_offload.py); the loss's own saved tensors stay on the device."""
+    labels = batch["labels"]
+    with loss_targets(shifted_labels(labels)) as target, autocast(device, amp_dtype), \
+            offloading(device, offload_activations):
         out = model(input_ids=batch["input_ids"].to(device, non_blocking=True),
                     attention_mask=batch["attention_mask"].to(device, non_blocking=True))
-    return token_loss_sum(out.logits, batch["labels"])
+    if target.chunked:  # the model's output, through every wrapper's hooks (workers/chunked_loss.py)
+        return out.logits
+    return token_loss_sum(out.logits, labels)
 
 
 def accumulate_gradients(
@@ -172,6 +186,7 @@ def accumulate_gradients(
     no_sync: Callable[[], Any] | None = None,
     backward: Callable[[torch.Tensor], None] | None = None,
     where: dict | None = None,
+    offload_activations: bool = False,
 ) -> tuple[float | torch.Tensor | None, int, int]:
     """Forward and backward every micro-batch of one optimizer step with the loss scaled as the
     module docstring explains. Returns (mean loss over the window across ranks, global label
@@ -179,7 +194,7 @@ def accumulate_gradients(
     only when a report needs it (``host_value``): reading it here would wait for the GPU every
     step, and a CPU's is a float. ``no_sync`` skips DDP's all-reduce on all but the last micro-batch;
     ``backward`` replaces ``loss.backward()`` (DeepSpeed's engine.backward); ``where["phase"]``
-    tracks the phase for an out-of-memory report."""
+    tracks the phase for an out-of-memory report; ``offload_activations``: forward_loss_sum's."""
     where = where if where is not None else {}
     local_tokens = sum(label_tokens(b) for b in micro_batches)
     global_tokens = all_reduce_sum(local_tokens, device)
@@ -190,7 +205,7 @@ def accumulate_gradients(
         ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
         with ctx:
             where["phase"] = "forward"
-            loss_sum = forward_loss_sum(model, batch, device, amp_dtype)
+            loss_sum = forward_loss_sum(model, batch, device, amp_dtype, offload_activations)
             if tel is not None:
                 tel.mark("forward")
             loss = loss_sum * scale

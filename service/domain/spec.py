@@ -227,6 +227,14 @@ class TrainingOptions(Strict):
     precision: Precision = Field(Precision.fp32, description="fp32, bf16 autocast, or fp16 with a grad scaler (GPU only).")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward instead of keeping them.")
     attention: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel; eager keeps the s² score matrix.")
+    loss_chunk_tokens: int | None = Field(
+        None, ge=128, le=16_777_216,
+        description="Compute the LM head and cross-entropy over chunks of this many tokens, recomputing each "
+                    "chunk's logits in backward, so the micro-batch's fp32 logits never exist whole "
+                    "(workers/chunked_loss.py). Costs a second forward of the LM head; None: the whole micro-batch at once.")
+    activation_offload: bool = Field(
+        False, description="Move what the forward saves for backward to pinned host memory and back (GPU only: "
+                           "on a CPU worker the host is the same memory).")
     qat: QATOptions = Field(default_factory=QATOptions)
     resources: Resources = Field(default_factory=Resources)
     memory_policy: MemoryPolicy = Field(
@@ -620,6 +628,15 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
             bad("pipeline.microbatches", f"the 1f1b schedule needs at least as many chunks per micro-batch as "
                                          f"stages ({chunks} < {stages}): raise micro_batch_size or "
                                          "pipeline.microbatches, or use schedule 'gpipe'")
+    if t.loss_chunk_tokens is not None and t.strategy == StrategyName.pipeline:
+        bad("loss_chunk_tokens", "chunked cross-entropy is not built into the pipeline strategy's last stage; "
+                                 "leave loss_chunk_tokens unset with strategy 'pipeline'")
+    if t.activation_offload and not on_gpu:
+        bad("activation_offload", "activation_offload needs GPUs (resources.gpus_per_worker > 0): on a CPU worker "
+                                  "the host is the same memory, so offloading would save nothing")
+    if t.activation_offload and t.strategy == StrategyName.pipeline:
+        bad("activation_offload", "activation_offload is not built into the pipeline strategy's stages; use ddp, "
+                                  "fsdp or deepspeed")
     if t.qat.enabled and peft != PeftMethod.none:
         bad("qat.enabled", "QAT trains the full model; it cannot be combined with peft")
     if t.qat.enabled and t.strategy != StrategyName.ddp:

@@ -6,6 +6,7 @@
 - :func:`lora_targets`: the modules ``target_modules: auto`` adapts, per model family.
 - :data:`MERGEABLE_PEFT`: the PEFT methods whose adapter folds into the base weights.
 - :func:`deepspeed_buckets`: the ZeRO communication buffer sizes memfit sets (and the planner counts).
+- :func:`loss_chunk_problem`: which models the chunked cross-entropy cannot run on.
 
 Dtypes are named as strings ("float32", "bfloat16", "float16", and "nf4" for QLoRA's 4-bit base);
 the workers turn the names into torch dtypes. Strategy, method and precision are the spec's enum
@@ -181,3 +182,16 @@ def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches:
     if schedule == "gpipe":
         return microbatches
     return min(microbatches, stages - stage)
+
+
+# --- chunked cross-entropy ----------------------------------------------------------------------
+
+
+def loss_chunk_problem(final_logit_softcapping: float | None) -> str | None:
+    """Why ``training.loss_chunk_tokens`` cannot run on a model, or None. Gemma 2 (and any config
+    with ``final_logit_softcapping``) caps the logits in the model's forward *after* the LM head,
+    where the chunked head (workers/chunked_loss.py) hands back the loss, not logits."""
+    if final_logit_softcapping is not None:
+        return ("chunked cross-entropy cannot run on a model whose config sets final_logit_softcapping (the "
+                "model caps the logits after the LM head); leave training.loss_chunk_tokens unset")
+    return None

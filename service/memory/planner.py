@@ -51,6 +51,7 @@ from service.domain.training import (
     feedforward_targets,
     in_flight_microbatches,
     lora_targets,
+    loss_chunk_problem,
     pipeline_problem,
     regime,
     stage_layers,
@@ -114,7 +115,7 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
 
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
                 attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
-                padded: bool = False) -> Activations:
+                padded: bool = False, loss_chunk_tokens: int | None = None) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -123,6 +124,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     the first receives its input from the stage before and sends its gradient back).
     ``padded``: the micro-batch holds rows shorter than its width (workers/data.py: collate pads them), so
     the model hands SDPA a padding mask instead of ``is_causal`` — see ``padding_mask_bytes``.
+    ``loss_chunk_tokens``: the LM head and the loss run chunk by chunk (workers/chunked_loss.py); the
+    vocabulary-sized terms are one chunk's.
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -226,9 +229,27 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     loss_saved = T * V * 4 + T * 8  # log-softmax output (fp32) and the int64 targets
     logits = T * V * (4 if regime.name == "fp32" else 2)
     loss_copy = 0 if regime.name == "fp32" else T * V * 4  # fp32: a view; 16-bit logits: .float() copies
+    loss_grad = 2 * T * V * 4
+    if loss_chunk_tokens:
+        # workers/chunked_loss.py runs each chunk of c tokens under non-reentrant checkpointing
+        # (torch/utils/checkpoint.py): forward keeps only the chunk's input and targets, so the plain
+        # head's saved input (its bf16 copy under autocast) gives way to the final hidden states themselves,
+        # kept whether or not the head trains, in the residual stream's dtype.
+        c = min(loss_chunk_tokens, T)
+        if full:
+            final -= T * h * (2 if regime.act == 2 else 4)
+        loss_saved = T * h * res + T * 8  # the head's input, the int64 targets
+        # one chunk's fp32 logits (16-bit logits are freed once ``.float()`` has copied them) and its
+        # log-softmax, freed when the chunk's loss is summed (measured: the 16-bit logits are not live then)
+        logits = c * V * 4
+        loss_copy = c * V * 4
+        # in backward, one chunk at a time: its recomputed log-softmax and two fp32 gradients, plus the
+        # gradient of the hidden states being summed over the chunks and, where the head trains, a chunk's
+        # weight gradient in the compute dtype before it is added to .grad (measured, fp32/autocast/LoRA)
+        loss_grad = 3 * c * V * 4 + T * h * res + (V * h * a if full else 0)
     ckpt_layer = T * h * res
     bwd_temp = 2 * T * i * a + 2 * T * h * 4
-    return Activations(layer, final, loss_saved, logits, loss_copy, 2 * T * V * 4, ckpt_layer, bwd_temp)
+    return Activations(layer, final, loss_saved, logits, loss_copy, loss_grad, ckpt_layer, bwd_temp)
 
 
 def padding_mask_bytes(shape: ModelShape, b: int, s: int, a: int) -> int:
@@ -244,7 +265,7 @@ def padding_mask_bytes(shape: ModelShape, b: int, s: int, a: int) -> int:
 
 
 def fsdp_gloo_instants(shape: ModelShape, units: tuple[int, int], cands: dict, act: Activations, T: int, N: int,
-                       full: bool, rg) -> dict[str, tuple[int, int, int]]:
+                       full: bool, rg, chunked_loss: bool = False) -> dict[str, tuple[int, int, int]]:
     """FSDP2 over gloo (CPU workers): the instants where buffers of collectives still in flight meet the step's
     own tensors, at their upper level. FSDP2 drops its reference to a collective's buffers once it has
     "waited" on the collective's event (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), a
@@ -265,6 +286,9 @@ def fsdp_gloo_instants(shape: ModelShape, units: tuple[int, int], cands: dict, a
       to_accumulated_grad_if_needed) the root's unsharded gradients are live beside them too (measured:
       +1 root unit in fp32, none with bf16 parameters).
     Where a level is below the step's other instants (a tied or small root, long sequences) nothing moves.
+    With a chunked loss (``chunked_loss``) lm_head runs inside the loss, chunk by chunk, and the root's
+    re-gather and gloo's copy of it are the loss's own terms (``loss_gathered`` in :func:`plan`): only
+    ``root_reduce`` is added here.
     Measured with bench/memory_accuracy.py (FSDP2 slice) and per-step profiler traces of small-llama s128."""
     layer_unsharded, root_unsharded = units
     g_b, a_b, tmp_b = cands["backward"]
@@ -272,10 +296,13 @@ def fsdp_gloo_instants(shape: ModelShape, units: tuple[int, int], cands: dict, a
     one_loss_grad = act.loss_grad_bytes // 2
     unit_b, reduce_b = dtype_bytes(rg.compute_dtype), dtype_bytes(rg.grad_dtype)
     root_numel = root_unsharded // unit_b
-    out = {"root_pre_backward": (g_b, a_b, tmp_b - one_loss_grad + root_unsharded + 2 * layer_unsharded)}
-    if full:
+    out = {}
+    if not chunked_loss:
+        out["root_pre_backward"] = (g_b, a_b, tmp_b - one_loss_grad + root_unsharded + 2 * layer_unsharded)
+    if full and not chunked_loss:
         out["lm_head_backward"] = (g_b, a_b, tmp_b - one_loss_grad + root_unsharded + layer_unsharded
                                    + shape.vocab * shape.hidden * unit_b + T * shape.hidden * 4)
+    if full:
         grads_left = root_numel * unit_b if unit_b == reduce_b else 0
         out["root_reduce"] = (g_all, 0, grads_left + 2 * root_numel * reduce_b + root_numel // N * reduce_b
                               + 2 * shape.layer_params() * reduce_b)
@@ -402,6 +429,18 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                            "(every head's keys and values and an additive mask kept per block)")
     ds = t.deepspeed
     qlora = t.peft.method == PeftMethod.qlora
+    if t.activation_offload and on_gpu:
+        assumptions.append("activation offload: the forward's saved activations in pinned host memory (torch's "
+                           "pinned allocator rounds each block up to a power of two), one block's back on the "
+                           "device at a time in backward")
+    if t.loss_chunk_tokens:
+        problem = loss_chunk_problem(shape.extra.get("final_logit_softcapping"))
+        if problem:
+            from service.domain.errors import SpecInvalid
+
+            raise SpecInvalid([{"param": "training.loss_chunk_tokens", "message": problem, "code": "invalid_value"}])
+        assumptions.append(f"loss: LM head and cross-entropy over chunks of {min(t.loss_chunk_tokens, b * s)} "
+                           "tokens, each recomputed in backward")
 
     dev, host = Breakdown(), Breakdown()
     # --- model states (steady state: optimizer states exist) -----------------------------
@@ -420,6 +459,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     gathered = 0  # params materialised at the loss (forward's end, backward's start) beyond the shards
     gathered_layer = 0  # params materialised while one block runs (its forward, recompute or backward)
     gloo_units: tuple[int, int] | None = None  # FSDP2 over gloo: (block, root) unsharded bytes, see fsdp_gloo_instants
+    loss_gathered = 0  # params gathered while the loss runs (forward) and is differentiated, beyond ``gathered``
     comm = 0  # communication buckets
     opt_temp_unit = max(_largest_trainable(spec, shape, targets), 1) * 4
 
@@ -455,6 +495,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             # backward reaches it: at the loss no unsharded parameter is live (measured).
             gathered = 0
             gathered_layer = 2 * layer_unsharded  # the running block and the prefetched next one
+            if t.loss_chunk_tokens:  # a chunked loss runs inside the root's forward, and it is the root's
+                loss_gathered = root  # output, whose pre-backward hook re-gathers the root before the chunks' backward
+                if not on_gpu:  # gloo's thread holds a root-sized copy while it gathers/reduces the root, which then
+                    loss_gathered += root  # overlaps the chunks' backward on one rank (measured: alternating ranks)
         else:
             gathered = shape.num_layers * layer_unsharded + root
             gathered_layer = gathered
@@ -530,7 +574,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                    if stage is None or v.index == stage]
     else:
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
-                          zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded)
+                          zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded,
+                          loss_chunk_tokens=t.loss_chunk_tokens)
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
@@ -557,19 +602,29 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         # DeepSpeed's is DeepSpeedCPUAdam (deepspeed/ops/adam/cpu_adam.py: C++, in place on the fp32
         # partition, whose gradient buffer host.gradients already holds): no host temporaries
         host.temporary = step_temp if (offloaded_step and on_gpu and strategy != "deepspeed") else 0
+        # workers/activation_offload.py: what the model's forward saves goes to pinned host memory as it is
+        # saved and comes back for the backward op that reads it; the loss runs outside those hooks, so its
+        # log-softmax stays. Tensors under 1 MiB (per-token statistics) stay too and are not counted.
+        offload_act = t.activation_offload and on_gpu and view is None
+        A_dev = act.loss_saved_bytes if offload_act else A
+        host.activations = A - act.loss_saved_bytes if offload_act else 0
         # (gradients live, activations live, temporaries) at each candidate instant
         cands: dict[str, tuple[int, int, int]] = {
-            "forward": (g_fwd, A,
-                        gathered + act.logits_bytes + act.loss_copy_bytes),
-            "backward": (g_fwd, A, gathered + act.loss_grad_bytes),
+            "forward": (g_fwd, A_dev,
+                        gathered + loss_gathered + act.logits_bytes + act.loss_copy_bytes),
+            "backward": (g_fwd, A_dev, gathered + loss_gathered + act.loss_grad_bytes),
         }
-        if t.gradient_checkpointing:
+        if offload_act:  # one block's saved tensors back on the device at a time (or its recomputation)
+            cands["backward_layer"] = (g_all, max(act.layer_bytes, default=0),
+                                       gathered_layer + act.layer_backward_temp_bytes)
+        elif t.gradient_checkpointing:
             cands["backward_recompute"] = (g_all, A - act.loss_saved_bytes + max(act.layer_bytes),
                                            gathered_layer + act.layer_backward_temp_bytes)
         cands["backward_end"] = (g_all, 0, gathered_layer + comm + opt_temp_unit // 4)
         cands["optimizer"] = (g_all, 0, 0 if (offloaded_step and on_gpu) else step_temp)
         if gloo_units is not None:
-            cands.update(fsdp_gloo_instants(shape, gloo_units, cands, act, b * s, N, full, rg))
+            cands.update(fsdp_gloo_instants(shape, gloo_units, cands, act, b * s, N, full, rg,
+                                            chunked_loss=bool(t.loss_chunk_tokens)))
         phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
         if view is not None:
             assumptions.append(f"stage {view.index}: blocks {view.blocks.start}–{view.blocks.stop - 1}, "

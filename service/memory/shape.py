@@ -291,6 +291,9 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family in ("qwen3", "gemma3_text"),
             norms_per_layer=4 if family in ("gemma2", "gemma3_text") else 2,
+            # the model caps its logits after the LM head (Gemma 2): training.loss_chunk_problem refuses chunking
+            extra={"final_logit_softcapping": float(cfg["final_logit_softcapping"])}
+            if cfg.get("final_logit_softcapping") is not None else {},
         )
     except KeyError as exc:
         raise UnsupportedModel(f"config of a {family} model lacks {exc.args[0]!r}") from None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from service.domain.training import Regime, regime
+from workers import chunked_loss
 from workers.args import TrainArgs
 from workers.data import (
     StepSampler,
@@ -89,8 +90,8 @@ def data_notices(args: TrainArgs, train: TokenizedData) -> list[dict]:
 
 
 def build_model(args: TrainArgs, model_dir: str):
-    """Base model (+ gradient checkpointing, + QAT fake quantization, + PEFT adapter), on CPU in fp32,
-    with the frozen base cast where the job's regime holds it in 16 bits."""
+    """Base model (+ gradient checkpointing, + QAT fake quantization, + PEFT adapter, + the chunked
+    loss head), on CPU in fp32, with the frozen base cast where the job's regime holds it in 16 bits."""
     if args.peft_method == "qlora":
         model = load_qlora_base(model_dir, args.attention)
     else:
@@ -108,6 +109,8 @@ def build_model(args: TrainArgs, model_dir: str):
         rg = training_regime(args)
         if rg.cast_frozen_base:
             cast_frozen_base(model, torch_dtype(rg.frozen_dtype))
+    if args.loss_chunk_tokens:  # last: the head as PEFT/QAT left it computes the loss chunk by chunk
+        chunked_loss.install(model, args.loss_chunk_tokens)
     return model
 
 

@@ -73,7 +73,8 @@ def train_ddp(args: TrainArgs, env: WorkerEnv) -> dict:
             tel.begin_step(step)
             loss, _, input_tokens = accumulate_gradients(
                 model, batches, device=env.device, world_size=env.world_size, amp_dtype=amp_dtype,
-                scaler=scaler, tel=tel, no_sync=no_sync, where=where)
+                scaler=scaler, tel=tel, no_sync=no_sync, where=where,
+                offload_activations=args.activation_offload)
             where["phase"] = "optimizer"
             lr = optimizer.param_groups[0]["lr"]
             grad_norm = clip_and_step(model, optimizer, scheduler, args.max_grad_norm, scaler)

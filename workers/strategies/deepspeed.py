@@ -136,7 +136,8 @@ def train_deepspeed(args: TrainArgs, env: WorkerEnv) -> dict:
             tel.begin_step(step)
             loss, _, input_tokens = accumulate_gradients(
                 engine, batches, device=env.device, world_size=env.world_size, tel=tel,
-                backward=ds_backward, where=where)
+                backward=ds_backward, where=where,
+                offload_activations=args.activation_offload)
             where["phase"] = "optimizer"
             lr = scheduler.get_last_lr()[0]
             engine.step()  # the accumulation boundary: clip, optimizer step, schedule, zero grads

@@ -105,7 +105,8 @@ def train_fsdp(args: TrainArgs, env: WorkerEnv) -> dict:
             tel.begin_step(step)
             # The MixedPrecisionPolicy already computes in 16 bits: no autocast on top (it would re-cast).
             loss, _, input_tokens = accumulate_gradients(
-                model, batches, device=env.device, world_size=env.world_size, scaler=scaler, tel=tel, where=where)
+                model, batches, device=env.device, world_size=env.world_size, scaler=scaler, tel=tel, where=where,
+                offload_activations=args.activation_offload)
             where["phase"] = "optimizer"
             lr = optimizer.param_groups[0]["lr"]
             grad_norm = clip_and_step(model, optimizer, scheduler, args.max_grad_norm, scaler)
