@@ -122,19 +122,32 @@ def measure(case: HoldoutCase, folder: Path) -> dict:
             "rank", "step", "peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_bytes", "other_bytes",
             "activations_bytes", "temporary_bytes", "host_parameters_bytes", "host_gradients_bytes",
             "host_optimizer_bytes")})
-    return {"name": case.name, "seconds": round(seconds, 1), "ranks": measured, "data": str(data)}
+    return {"name": case.name, "seconds": round(seconds, 1), "ranks": measured, "data": case.data}
 
 
-def predict(case: HoldoutCase, data: str | None, rank: int) -> dict:
-    """The plan the service stores for this job (for a pipeline: the plan of the stage ``rank`` runs)."""
+_DATA_DIR: Path | None = None
+
+
+def predict(case: HoldoutCase, rank: int) -> dict:
+    """The plan the service stores for this job, for its data (service/memory/preflight.py: the widest
+    micro-batch the rows can form, service/memory/data.py); for a pipeline the plan of the stage ``rank`` runs."""
+    global _DATA_DIR
     from service.domain.model_ref import resolve_model
+    from service.memory.data import data_shape
     from service.memory.planner import plan
     from service.memory.shape import shape_for_model
 
+    if _DATA_DIR is None:
+        _DATA_DIR = Path(tempfile.mkdtemp(prefix="memfit-holdout-data-"))
+    folder = _DATA_DIR / case.data
+    folder.mkdir(exist_ok=True)
+    path = data_file(case, folder)  # seeded: the very rows the case trained on
     spec, _ = validated(case)
+    data = data_shape(spec, str(path))
+    seq = data.planned_seq_length if data.measured else None
     stages = spec.training.pipeline.stages if spec.training.strategy.value == "pipeline" else None
-    p = plan(spec, shape_for_model(resolve_model(spec.model, ())), None,
-             stage=rank % stages if stages else None)
+    p = plan(spec, shape_for_model(resolve_model(spec.model, ())), None, stage=rank % stages if stages else None,
+             seq_length=seq, padded=data.padded)
     return p.model_dump(mode="json")
 
 
@@ -167,7 +180,7 @@ def report(results: list[dict]) -> int:
         case = next(c for c in HOLDOUT if c.name == res["name"])
         for r in res["ranks"]:
             m = measured_categories(r)
-            p = predicted_categories(predict(case, res.get("data"), r["rank"]))
+            p = predicted_categories(predict(case, r["rank"]))
             e = error(p["total"], m["total"])
             errs.append(abs(e))
             under += e < -0.01
@@ -188,6 +201,7 @@ def report(results: list[dict]) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--filter", default="", help="comma-separated substrings; a case runs if its name has all")
+    ap.add_argument("--skip", default="", help="comma-separated substrings; a case whose name has any is skipped")
     ap.add_argument("--save", help="write the measurements (JSON) here")
     ap.add_argument("--load", help="comma-separated saved files: report them with the current planner")
     a = ap.parse_args(argv)
@@ -196,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         return report(results)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     wanted = [w for w in a.filter.split(",") if w]
-    cases = [c for c in HOLDOUT if all(w in c.name for w in wanted)]
+    skipped = [w for w in a.skip.split(",") if w]
+    cases = [c for c in HOLDOUT if all(w in c.name for w in wanted) and not any(w in c.name for w in skipped)]
     results = []
     for case in cases:
         with tempfile.TemporaryDirectory(prefix="memfit-holdout-") as tmp:
