@@ -224,9 +224,12 @@ def test_a_cuda_out_of_memory_is_an_out_of_memory_failure_the_downshift_reads(tm
 # --- end to end over HTTP and Ray -------------------------------------------------------------------
 
 # small-llama (vocab 8000) at 1024 tokens: four full rows in one micro-batch take the worker's memory
-# ~150 MiB above one row at a time (mostly the fp32 logits and their log-softmax, b·s·V each).
+# ~150 MiB above one row at a time (mostly the fp32 logits and their log-softmax, b·s·V each). The
+# budget sits between the two: a CI run measured the resumed 1 × 4 attempt at 1052 MiB (its first step,
+# backward) and 4 × 1 over 1274 MiB already in forward, so 1040 MiB failed the downshifted run there; at
+# 1150 MiB the planner still sees micro-batch 2 over the usable 90% (1065 > 1035 MiB) and picks 1 × 4.
 SEQ, ROWS, SEED = 1024, 16, 7
-BUDGET = int(os.environ.get("MEMFIT_TEST_DOWNSHIFT_BUDGET", 1040 * MiB))
+BUDGET = int(os.environ.get("MEMFIT_TEST_DOWNSHIFT_BUDGET", 1150 * MiB))
 
 
 def _training_rows() -> list[dict]:
