@@ -38,6 +38,11 @@ TECHNIQUES = {
     "zero3x2": (2, {"strategy": "deepspeed", "ds_stage": 3}),
     "zero3+offloadx2": (2, {"strategy": "deepspeed", "ds_stage": 3, "ds_offload_optimizer": "cpu",
                             "ds_offload_param": "cpu"}),
+    # training.strategy pipeline: 2 stages (workers/strategies/pipeline.py), the micro-batch in 2 chunks
+    "pipeline-1f1bx2": (2, {"strategy": "pipeline", "pipeline_stages": 2, "pipeline_schedule": "1f1b",
+                            "pipeline_microbatches": 2}),
+    "pipeline-gpipex2": (2, {"strategy": "pipeline", "pipeline_stages": 2, "pipeline_schedule": "gpipe",
+                             "pipeline_microbatches": 2}),
 }
 
 
@@ -82,7 +87,17 @@ def measure(name: str, world: int, overrides: dict, base: dict) -> dict:
                   if m.get("step") == 3 and m.get("phase") == "step" and m.get("peak_bytes")]
         per_rank.append(traced[0] if traced else {})
     worst = max(per_rank, key=lambda m: m.get("peak_bytes") or 0)
-    return {"name": name, "world": world, "seconds": time.perf_counter() - t0, **worst}
+    # Throughput: the job's input tokens per second of wall time over steps 2 and 3 (step 1 warms up).
+    # Each rank reports its own micro-batches' tokens over its step time (workers/steps.py); the ranks of
+    # one pipeline replica all see the same rows, so the job's rate is the sum over ranks / stages.
+    per_replica = overrides.get("pipeline_stages", 1) if overrides.get("strategy") == "pipeline" else 1
+    rates = []
+    for res in results:
+        steps = [r["tokens_per_s"] for r in res["reports"]
+                 if r.get("kind") == "metrics" and r.get("step", 0) >= 2 and r.get("tokens_per_s")]
+        rates.append(sum(steps) / len(steps) if steps else None)
+    tokens_per_s = sum(rates) / per_replica if rates and None not in rates else None
+    return {"name": name, "world": world, "seconds": time.perf_counter() - t0, "tokens_per_s": tokens_per_s, **worst}
 
 
 def main() -> None:
@@ -115,7 +130,7 @@ def main() -> None:
         r = rows[-1]
         print(f"  measured {name} in {r['seconds']:.0f} s", flush=True)
     baseline = next((r["peak_bytes"] for r in rows if r["name"] == "ddp-fp32" and r.get("peak_bytes")), None)
-    head = f"{'technique':<20}{'ranks':>6}{'peak MiB':>10}{'vs fp32':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'temp':>9}"
+    head = f"{'technique':<20}{'ranks':>6}{'peak MiB':>10}{'vs fp32':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'temp':>9}{'tok/s':>9}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -126,8 +141,11 @@ def main() -> None:
         rel = f"{(r['peak_bytes'] / baseline - 1) * 100:+.0f}%" if baseline and r.get("peak_bytes") else "n/a"
         print(f"{r['name']:<20}{r['world']:>6}{peak:>10.1f}{rel:>9}"
               f"{mib('parameters_bytes', 'host_parameters_bytes'):>9.1f}{mib('gradients_bytes', 'host_gradients_bytes'):>9.1f}"
-              f"{mib('optimizer_bytes', 'host_optimizer_bytes'):>9.1f}{mib('activations_bytes'):>9.1f}{mib('temporary_bytes'):>9.1f}")
+              f"{mib('optimizer_bytes', 'host_optimizer_bytes'):>9.1f}{mib('activations_bytes'):>9.1f}{mib('temporary_bytes'):>9.1f}"
+              f"{r['tokens_per_s'] or 0:>9.0f}")
     print("params/grads/optim include host-resident (offloaded) bytes; on a CPU machine host and device are the same RAM.")
+    print("tok/s: tokens per wall-clock second over steps 2-3 on rank 0; a ratio between rows is only as good as "
+          "the machine was quiet (every row shares its cores).")
 
 
 if __name__ == "__main__":
