@@ -87,16 +87,15 @@ def measure(name: str, world: int, overrides: dict, base: dict) -> dict:
                   if m.get("step") == 3 and m.get("phase") == "step" and m.get("peak_bytes")]
         per_rank.append(traced[0] if traced else {})
     worst = max(per_rank, key=lambda m: m.get("peak_bytes") or 0)
-    # Throughput: the job's input tokens per second of wall time over steps 2 and 3 (step 1 warms up).
-    # Each rank reports its own micro-batches' tokens over its step time (workers/steps.py); the ranks of
-    # one pipeline replica all see the same rows, so the job's rate is the sum over ranks / stages.
-    per_replica = overrides.get("pipeline_stages", 1) if overrides.get("strategy") == "pipeline" else 1
+    # Throughput: the job's input tokens per second of wall time over steps 2 and 3 (step 1 warms up):
+    # the sum of the ranks' own rates (workers/steps.py: a rank's micro-batch tokens over its step time;
+    # in a pipeline only the first stage counts its rows, as for the job's trained_tokens).
     rates = []
     for res in results:
         steps = [r["tokens_per_s"] for r in res["reports"]
-                 if r.get("kind") == "metrics" and r.get("step", 0) >= 2 and r.get("tokens_per_s")]
+                 if r.get("kind") == "metrics" and r.get("step", 0) >= 2 and r.get("tokens_per_s") is not None]
         rates.append(sum(steps) / len(steps) if steps else None)
-    tokens_per_s = sum(rates) / per_replica if rates and None not in rates else None
+    tokens_per_s = sum(rates) if rates and None not in rates else None
     return {"name": name, "world": world, "seconds": time.perf_counter() - t0, "tokens_per_s": tokens_per_s, **worst}
 
 
@@ -144,7 +143,7 @@ def main() -> None:
               f"{mib('optimizer_bytes', 'host_optimizer_bytes'):>9.1f}{mib('activations_bytes'):>9.1f}{mib('temporary_bytes'):>9.1f}"
               f"{r['tokens_per_s'] or 0:>9.0f}")
     print("params/grads/optim include host-resident (offloaded) bytes; on a CPU machine host and device are the same RAM.")
-    print("tok/s: tokens per wall-clock second over steps 2-3 on rank 0; a ratio between rows is only as good as "
+    print("tok/s: the job's input tokens per wall-clock second over steps 2-3 (all ranks); a ratio between rows is only as good as "
           "the machine was quiet (every row shares its cores).")
 
 
