@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.holdout_matrix import HOLDOUT, HoldoutCase  # noqa: E402
+from bench.holdout_matrix import CHECKS, HOLDOUT, HoldoutCase  # noqa: E402
 
 MiB = 2**20
 STATES = ("parameters", "gradients", "optimizer_states")
@@ -177,7 +177,7 @@ def report(results: list[dict]) -> int:
         if "refused" in res:
             rows.append(f"| {res['name']} | refused: {res['refused']} | | | | |")
             continue
-        case = next(c for c in HOLDOUT if c.name == res["name"])
+        case = next(c for c in [*HOLDOUT, *CHECKS] if c.name == res["name"])
         for r in res["ranks"]:
             m = measured_categories(r)
             p = predicted_categories(predict(case, r["rank"]))
@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--filter", default="", help="comma-separated substrings; a case runs if its name has all")
     ap.add_argument("--skip", default="", help="comma-separated substrings; a case whose name has any is skipped")
+    ap.add_argument("--checks", action="store_true",
+                    help="run bench/holdout_matrix.py's CHECKS (written after the first run) instead of the matrix")
     ap.add_argument("--save", help="write the measurements (JSON) here")
     ap.add_argument("--load", help="comma-separated saved files: report them with the current planner")
     a = ap.parse_args(argv)
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     wanted = [w for w in a.filter.split(",") if w]
     skipped = [w for w in a.skip.split(",") if w]
-    cases = [c for c in HOLDOUT if all(w in c.name for w in wanted) and not any(w in c.name for w in skipped)]
+    cases = [c for c in (CHECKS if a.checks else HOLDOUT) if all(w in c.name for w in wanted) and not any(w in c.name for w in skipped)]
     results = []
     for case in cases:
         with tempfile.TemporaryDirectory(prefix="memfit-holdout-") as tmp:

@@ -116,3 +116,14 @@ HOLDOUT: list[HoldoutCase] = [
                 _t(256, 8, workers=2, strategy="pipeline", pipeline={"stages": 2, "schedule": "gpipe"},
                    peft={"method": "lora", "r": 8})),
 ]
+
+
+# Written after the held-out matrix's first run (2026-12-03), to check each planner change made after
+# looking at it on configs that neither matrix holds: `bench/holdout_accuracy.py --checks`.
+CHECKS: list[HoldoutCase] = [
+    # QAT (service/memory/planner.py: qat_linear_bytes): an untied head, the weight-only scheme, bf16
+    HoldoutCase("check llama s256 full fp32 qat-g16 mb4", "small-llama", _t(256, 4, qat={"enabled": True, "group_size": 16})),
+    HoldoutCase("check qwen2 s512 full fp32 qat-weightonly ddp×2 mb2", "small-qwen2",
+                _t(512, 2, workers=2, qat={"enabled": True, "scheme": "int4-weight-only"})),
+    HoldoutCase("check qwen3 s256 full fp32 qat mb8", "small-qwen3", _t(256, 8, qat={"enabled": True})),
+]

@@ -125,3 +125,56 @@ def test_qat_refuses_a_model_it_cannot_quantise_naming_the_field(tmp_path):
         prepared_model(qat_args(tmp_path, DYN, group_size=32))  # tiny-llama's MLP is 176 wide
     with pytest.raises(ValueError, match=r"training\.qat\.enabled: .*no torch\.nn\.Linear"):
         prepared_model(qat_args(tmp_path, DYN, model="preset:tiny-gpt2"))  # Conv1D blocks, tied lm_head
+
+
+# --- the planner's QAT terms ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", [DYN, WEIGHT_ONLY], ids=["int8-dyn-act", "weight-only"])
+def test_the_planner_counts_what_a_fake_quantised_linear_keeps_for_backward(scheme):
+    """service/memory/planner.py: qat_linear_bytes against the tensors a real FakeQuantizedLinear saves
+    (saved-tensor hooks, unique storages), less the plain input a torch.nn.Linear would keep."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+
+    from service.memory.planner import qat_linear_bytes
+    from workers.strategies.qat import qat_base_config
+
+    T, din, dout, group = 96, 64, 48, 16
+    model = torch.nn.Sequential(torch.nn.Linear(din, dout, bias=False))
+    quantize_(model, QATConfig(qat_base_config(scheme, group), step="prepare"))
+    x = torch.randn(T, din, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    plain_input = saved.pop(x.untyped_storage().data_ptr(), 0)  # weight-only keeps x itself, as nn.Linear does
+    assert (plain_input == T * din * 4) == (scheme == WEIGHT_ONLY)
+    assert sum(saved.values()) == qat_linear_bytes(T, din, dout, group, act=scheme == DYN)
+
+
+def test_the_planner_refuses_a_group_size_the_model_cannot_take_naming_the_field():
+    from service.domain.errors import SpecInvalid
+    from service.memory.planner import plan
+    from service.memory.shape import shape_from_config
+
+    llama = shape_from_config({"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 8000, "tie_word_embeddings": False})
+    gpt2 = shape_from_config({"model_type": "gpt2", "n_embd": 128, "n_layer": 2, "n_head": 4, "vocab_size": 8000})
+
+    def spec(group_size: int) -> JobSpec:
+        return JobSpec.model_validate({"model": "m", "training_file": "file-1",
+                                       "training": {"qat": {"enabled": True, "group_size": group_size}}})
+
+    assert plan(spec(16), llama).fits is not None  # 688 = 43 × 16
+    with pytest.raises(SpecInvalid) as exc:
+        plan(spec(32), llama)
+    assert exc.value.param == "training.qat.group_size" and "down_proj (688)" in str(exc.value)
+    with pytest.raises(SpecInvalid) as exc:
+        plan(spec(16), gpt2)
+    assert exc.value.param == "training.qat.enabled" and "Conv1D" in str(exc.value)

@@ -7,6 +7,7 @@
 - :data:`MERGEABLE_PEFT`: the PEFT methods whose adapter folds into the base weights.
 - :func:`deepspeed_buckets`: the ZeRO communication buffer sizes memfit sets (and the planner counts).
 - :func:`loss_chunk_problem`: which models the chunked cross-entropy cannot run on.
+- :func:`qat_problem`: which models QAT's group size cannot quantise.
 
 Dtypes are named as strings ("float32", "bfloat16", "float16", and "nf4" for QLoRA's 4-bit base);
 the workers turn the names into torch dtypes. Strategy, method and precision are the spec's enum
@@ -185,6 +186,21 @@ def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches:
 
 
 # --- chunked cross-entropy ----------------------------------------------------------------------
+
+
+def qat_problem(family: str, in_widths: dict[str, int], group_size: int) -> str | None:
+    """Why ``training.qat`` cannot run on a model, or None: torchao fake-quantises ``nn.Linear`` layers
+    only (GPT-2's blocks are ``Conv1D``), in groups of ``group_size`` along each one's input
+    (torchao/quantization/qat/linear.py refuses ``in_features % group_size != 0``, as
+    workers/strategies/qat.py: qat_prepare does before it). ``in_widths``: module name -> input width of
+    every linear the worker would quantise."""
+    if family == "gpt2":
+        return "GPT-2's blocks are Conv1D, not torch.nn.Linear: QAT has nothing to quantise; use another family"
+    uneven = sorted(f"{name} ({width})" for name, width in in_widths.items() if width % group_size)
+    if uneven:
+        return (f"training.qat.group_size={group_size} must divide the input width of every quantised linear; "
+                f"it does not divide {', '.join(uneven)}")
+    return None
 
 
 def loss_chunk_problem(final_logit_softcapping: float | None) -> str | None:

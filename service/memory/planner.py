@@ -53,6 +53,7 @@ from service.domain.training import (
     lora_targets,
     loss_chunk_problem,
     pipeline_problem,
+    qat_problem,
     regime,
     stage_layers,
 )
@@ -115,7 +116,8 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
 
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
                 attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
-                padded: bool = False, loss_chunk_tokens: int | None = None) -> Activations:
+                padded: bool = False, loss_chunk_tokens: int | None = None,
+                qat: tuple[int, bool] | None = None) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -126,6 +128,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     the model hands SDPA a padding mask instead of ``is_causal`` — see ``padding_mask_bytes``.
     ``loss_chunk_tokens``: the LM head and the loss run chunk by chunk (workers/chunked_loss.py); the
     vocabulary-sized terms are one chunk's.
+    ``qat``: training.qat's (group size, whether activations are fake-quantised too); every quantised
+    linear is torchao's FakeQuantizedLinear (see :func:`qat_linear_bytes`).
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -213,12 +217,19 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             n += weight_casts(base_linears)
             if shape.norms_per_layer == 4:
                 n += 2 * (T * h * 4 + small + (normalized if full else 0))
+            if qat:
+                if qat[1]:  # each linear keeps its own fake-quantised input instead of the shared one
+                    n -= linear_input(norm_out, attn_in, h) + linear_input(norm_out, ["gate_proj", "up_proj"], h)
+                    n -= T * i * a if trainable("down_proj") else 0
+                n += sum(qat_linear_bytes(T, din, dout, *qat) for din, dout in shape.linear_shapes().values())
         layer.append(n)
     # final norm (+ lm_head input when lm_head trains), embedding indices, rotary cos/sin
     final = T * h * 4 + small if shape.family != "gpt2" else T * h * res + 2 * small
     if full:
         final += T * h * regime.residual  # normalised input, kept for the norm weight
         final += T * h * (2 if regime.act == 2 else 4)  # lm_head's input (its bf16 copy under autocast)
+    if qat and not shape.tied_embeddings:  # lm_head is quantised unless it is the embedding's weight
+        final += qat_linear_bytes(T, h, V, *qat) - (T * h * 4 if qat[1] else 0)
     if regime.casts and regime.name != "lora16":
         final += 2 * shape.vocab * h  # lm_head weight's bf16 copy
     final += T * 8  # embedding indices
@@ -250,6 +261,20 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     ckpt_layer = T * h * res
     bwd_temp = 2 * T * i * a + 2 * T * h * 4
     return Activations(layer, final, loss_saved, logits, loss_copy, loss_grad, ckpt_layer, bwd_temp)
+
+
+def qat_linear_bytes(T: int, din: int, dout: int, group: int, act: bool) -> int:
+    """What one of torchao's FakeQuantizedLinear (torchao/quantization/qat/linear.py: forward) keeps for
+    backward, fp32, with memfit's scheme (int8 per-token asymmetric activations, int4 per-group weights;
+    workers/strategies/qat.py). The activation fake-quantiser (qat/fake_quantizer.py: _per_token_forward,
+    quant_primitives' _fake_quantize_affine through its straight-through rounding) keeps the per-token
+    scale and zero point and one T × in intermediate, and F.linear keeps the fake-quantised input: 2·T·in
+    plus 2·T. The weight fake-quantiser (per group) keeps the weight regrouped as out × in/g × g and
+    F.linear the fake-quantised weight: 2·out·in plus a scale and zero point per group (tests/test_qat.py
+    holds these to the saved-tensor hooks of a real FakeQuantizedLinear, both schemes). ``act``: the
+    activations are fake-quantised (the int8 scheme; weight-only keeps the plain input, counted by the
+    caller as without QAT); the plain input the linear would have kept is then the caller's to subtract."""
+    return 4 * ((2 * T * din + 2 * T if act else 0) + 2 * dout * din + 2 * dout * (din // group))
 
 
 def padding_mask_bytes(shape: ModelShape, b: int, s: int, a: int) -> int:
@@ -442,6 +467,17 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         assumptions.append(f"loss: LM head and cross-entropy over chunks of {min(t.loss_chunk_tokens, b * s)} "
                            "tokens, each recomputed in backward")
 
+    if t.qat.enabled:
+        widths = {name: din for name, (din, _) in shape.linear_shapes().items()}
+        if not shape.tied_embeddings:
+            widths["lm_head"] = shape.hidden
+        problem = qat_problem(shape.family, widths, t.qat.group_size)
+        if problem:
+            from service.domain.errors import SpecInvalid
+
+            raise SpecInvalid([{"param": "training.qat.group_size" if shape.family != "gpt2" else "training.qat.enabled",
+                                "message": problem, "code": "invalid_value"}])
+
     dev, host = Breakdown(), Breakdown()
     # --- model states (steady state: optimizer states exist) -----------------------------
     if rg.cast_frozen_base:
@@ -575,7 +611,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     else:
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
                           zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded,
-                          loss_chunk_tokens=t.loss_chunk_tokens)
+                          loss_chunk_tokens=t.loss_chunk_tokens,
+                          qat=(t.qat.group_size, t.qat.scheme == "int8-dynamic-act-int4-weight") if t.qat.enabled else None)
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
