@@ -114,10 +114,18 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
     return targets
 
 
+def _ia3_feedforward(spec: JobSpec, shape: ModelShape) -> frozenset[str] | None:
+    """IA3's feed-forward targets (workers/peft_setup.py), or None when the method is not IA3."""
+    peft = spec.training.peft
+    if peft.method != PeftMethod.ia3:
+        return None
+    return frozenset(feedforward_targets(shape.family, peft.target_modules))
+
+
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
                 attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
                 padded: bool = False, loss_chunk_tokens: int | None = None,
-                qat: tuple[int, bool] | None = None) -> Activations:
+                qat: tuple[int, bool] | None = None, ia3_feedforward: frozenset[str] | None = None) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -130,6 +138,11 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     vocabulary-sized terms are one chunk's.
     ``qat``: training.qat's (group size, whether activations are fake-quantised too); every quantised
     linear is torchao's FakeQuantizedLinear (see :func:`qat_linear_bytes`).
+    ``ia3_feedforward``: the method is IA3 (not None), with these feed-forward targets. peft's IA3 layer
+    (peft/tuners/ia3/layer.py: Linear.forward) multiplies a frozen linear's output by its vector, or, for a
+    feed-forward target, its input after casting it to the vector's dtype (fp32); the multiplication keeps
+    that output (in the compute dtype) or that fp32 input for the vector's gradient, and the frozen linear
+    itself keeps nothing (autograd saves a matmul's input only for its weight's gradient).
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -144,6 +157,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
 
     def linear_input(in_dtype_bytes: int, consumers: list[str], width: int) -> int:
         """Bytes saved for the input shared by ``consumers`` (linears reading the same tensor)."""
+        if ia3_feedforward is not None:
+            return 0  # IA3's linears are frozen; see ia3_saved
         savers = [c for c in consumers if trainable(c)]
         if not savers:
             return 0
@@ -160,7 +175,23 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
         return sum(2 * shapes[n][0] * shapes[n][1] for n in names)
 
     def lora_extra(names: list[str]) -> int:
+        if ia3_feedforward is not None:
+            return 0
         return sum(T * r * a for n in names if adapted(n))  # lora_A output, kept by lora_B
+
+    def ia3_saved() -> int:
+        """What one block's IA3 multiplications keep (see the docstring): a target's output, a
+        feed-forward target's fp32 input."""
+        if ia3_feedforward is None:
+            return 0
+        n = 0
+        for name, (din, dout) in shape.linear_shapes().items():
+            short = name.split(".")[-1]
+            if name in ia3_feedforward or short in ia3_feedforward:
+                n += T * din * 4
+            elif adapted(name) or adapted(short):
+                n += T * dout * a
+        return n
 
     layer: list[int] = []
     small = T * 4  # per-token fp32 statistics (rsqrt, or mean + rstd for LayerNorm)
@@ -179,8 +210,9 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             n += linear_input(res if not regime.casts else 4, ["c_fc"], h)
             # gelu_new's python ops keep x, tanh, 0.5x, 1+tanh; mlp.c_proj keeps the product when it trains
             # or carries an adapter ("c_proj" adapts both projections)
-            n += 4 * T * i * a + (T * i * a if trainable("c_proj") or trainable("mlp.c_proj") else 0)
-            n += weight_casts(list(shape.linear_shapes()))
+            n += 4 * T * i * a + (T * i * a if (trainable("c_proj") or trainable("mlp.c_proj"))
+                                  and ia3_feedforward is None else 0)
+            n += weight_casts(list(shape.linear_shapes())) + ia3_saved()
         else:
             norm_in = T * h * 4  # RMSNorm's fp32 view of its input, kept by pow
             normalized = T * h * (4 if regime.residual == 4 else 2)
@@ -192,7 +224,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             if not full and regime.casts:
                 pass  # counted by linear_input: each adapted projection's lora_A casts its own copy
             n += lora_extra(attn_in + ["o_proj"])
-            if regime.name == "lora16" and adapted("o_proj"):
+            if regime.name == "lora16" and adapted("o_proj") and ia3_feedforward is None:
                 n += T * qd * 2  # o_proj's adapter: PEFT's fp32 copy of the attention output, cast again (measured)
             # attention: SDPA keeps q, k, v after rotary, its output (= o_proj's input) and the lse
             n += T * qd * a + 2 * T * kvd * a + T * qd * a + b * shape.num_heads * s * 4
@@ -203,18 +235,21 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 n += probs * 4 + (probs * 2 if regime.act == 2 else 0)
                 n += 2 * T * (qd - kvd) * a  # repeat_kv materialises k and v for every head
             if shape.qk_norm:
-                n += 2 * (T * qd + T * kvd) * 4 // 2
+                # per-head RMSNorm of q and k (Qwen3): like the block's norms, each keeps its fp32 input (pow)
+                # and per-head statistics, and, where its weight trains, the normalised input in q/k's dtype
+                n += T * (qd + kvd) * 4 + T * (shape.num_heads + shape.num_kv_heads) * 4
+                n += T * (qd + kvd) * a if full else 0
             # post-attention norm
             n += T * h * 4 + small + (normalized if full else 0)
             n += linear_input(norm_out, ["gate_proj", "up_proj"], h)
             # MLP: gate, act(gate), up kept by the activation and the product; the product by down_proj
-            n += 3 * T * i * a + (T * i * a if trainable("down_proj") else 0)
+            n += 3 * T * i * a + (T * i * a if trainable("down_proj") and ia3_feedforward is None else 0)
             if zero3_linear and not full and in_grad:  # ZeRO-3's linear keeps the frozen MLP's inputs too
                 n += (T * h * a if not any(trainable(c) for c in ("gate_proj", "up_proj")) else 0)
                 n += (T * i * a if not trainable("down_proj") else 0)
             n += lora_extra(["gate_proj", "up_proj", "down_proj"])
             base_linears = list(shape.linear_shapes())
-            n += weight_casts(base_linears)
+            n += weight_casts(base_linears) + ia3_saved()
             if shape.norms_per_layer == 4:
                 n += 2 * (T * h * 4 + small + (normalized if full else 0))
             if qat:
@@ -376,7 +411,7 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
         trained = held if full else n * adapter_per_block
         frozen = 0 if full else held
         act = activations(replace(shape, num_layers=n), rows, s, sizes, targets, t.peft.r, t.attention,
-                          input_grad=not first)
+                          input_grad=not first, ia3_feedforward=_ia3_feedforward(spec, shape))
         # torch.distributed.pipelining's stage keeps each chunk's output until that chunk's backward
         # (stage.py: fwd_cache, which backward_one_chunk runs autograd from): the residual stream sent on,
         # or on the last stage the logits, which the plain loop frees once the loss has them.
@@ -612,7 +647,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
                           zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded,
                           loss_chunk_tokens=t.loss_chunk_tokens,
-                          qat=(t.qat.group_size, t.qat.scheme == "int8-dynamic-act-int4-weight") if t.qat.enabled else None)
+                          qat=(t.qat.group_size, t.qat.scheme == "int8-dynamic-act-int4-weight") if t.qat.enabled else None,
+                          ia3_feedforward=_ia3_feedforward(spec, shape))
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
