@@ -808,6 +808,32 @@ def _candidates(spec: JobSpec, gpu: str | None) -> list[tuple[str, str, int, dic
     return out
 
 
+def _pipeline_candidates(spec: JobSpec, shape: ModelShape) -> list[tuple[str, str, int, dict[str, Any]]]:
+    """Pipeline parallelism over the job's workers: stages = num_workers, then its largest other divisor
+    (the rest data parallel), where the job could run as a pipeline — a family whose blocks the workers
+    split, enough blocks, and none of what the pipeline strategy refuses (fp16, prefix/prompt tuning,
+    qlora, a chunked loss, activation offload, QAT). Its plan is the most loaded stage's. 1F1B when each
+    micro-batch gives every stage a chunk, else GPipe."""
+    t = spec.training
+    n = t.resources.num_workers
+    if (t.strategy == StrategyName.pipeline or n < 2 or t.precision == Precision.fp16 or t.loss_chunk_tokens
+            or t.activation_offload or t.qat.enabled
+            or t.peft.method in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning, PeftMethod.qlora)):
+        return []
+    divisors = [d for d in range(n, 1, -1) if n % d == 0][:2]
+    micro = spec.resolved().micro_batch_size
+    out = []
+    for stages in divisors:
+        if pipeline_problem(shape.family, shape.num_layers, stages):
+            continue
+        schedule = "1f1b" if micro >= stages else "gpipe"
+        replicas = f", {n // stages} data-parallel replicas" if n // stages > 1 else ""
+        out.append((f"pipeline_{stages}", f"pipeline parallel: {stages} stages of the model's blocks ({schedule}{replicas})",
+                    5, {"training.strategy": "pipeline", "training.pipeline.stages": stages,
+                        "training.pipeline.schedule": schedule}))
+    return out
+
+
 def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
             limit: int = 8, seq_length: int | None = None, padded: bool = False, nodes=None) -> list[Change]:
     """Changes that would make ``spec`` fit, cheapest first, each with its predicted peak.
@@ -817,7 +843,7 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
     """
     found: list[Change] = []
     singles = []
-    for name, desc, cost, patch in _candidates(spec, gpu):
+    for name, desc, cost, patch in [*_candidates(spec, gpu), *_pipeline_candidates(spec, shape)]:
         try:
             s2 = _patched(spec, patch)
             p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded, nodes=nodes)
