@@ -177,8 +177,12 @@ class DeepSpeedOptions(Strict):
 class PipelineOptions(Strict):
     stages: int = Field(2, ge=2, le=128, description=(
         "Pipeline stages, one per worker; resources.num_workers is a multiple of it (the rest is data parallel)."))
-    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description=(
-        "Pipeline schedule: gpipe runs every chunk's forward before any backward; 1f1b holds at most `stages`."))
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description=(
+        "Pipeline schedule: gpipe runs every chunk's forward before any backward; 1f1b holds at most `stages`; "
+        "interleaved_1f1b gives each worker `virtual_stages` non-adjacent slices of the blocks (a smaller bubble)."))
+    virtual_stages: int | None = Field(None, ge=2, le=32, description=(
+        "interleaved_1f1b: model stages per worker (the blocks are split into stages × virtual_stages); "
+        "None: 2. Only with schedule interleaved_1f1b."))
     microbatches: int | None = Field(None, ge=1, le=1024, description=(
         "Chunks each micro-batch is split into as it flows through the stages; divides micro_batch_size. "
         "None: one row per chunk (micro_batch_size chunks)."))
@@ -630,10 +634,17 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
         if micro % chunks:
             bad("pipeline.microbatches", f"pipeline.microbatches ({chunks}) must divide the micro-batch of "
                                          f"{micro} rows (training.hyperparameters.micro_batch_size)")
+        elif t.pipeline.schedule == "interleaved_1f1b" and chunks % max(1, chunks // stages):
+            bad("pipeline.microbatches", f"the interleaved_1f1b schedule runs its {chunks} chunks per micro-batch in "
+                                         f"rounds of {chunks // stages} (torch.distributed.pipelining: ScheduleInterleaved1F1B "
+                                         f"needs the count a multiple of them): use a multiple of stages ({stages}) or "
+                                         "fewer chunks than stages")
         elif t.pipeline.schedule == "1f1b" and chunks < stages:
             bad("pipeline.microbatches", f"the 1f1b schedule needs at least as many chunks per micro-batch as "
                                          f"stages ({chunks} < {stages}): raise micro_batch_size or "
                                          "pipeline.microbatches, or use schedule 'gpipe'")
+    if t.pipeline.virtual_stages is not None and t.pipeline.schedule != "interleaved_1f1b":
+        bad("pipeline.virtual_stages", "virtual_stages needs pipeline.schedule 'interleaved_1f1b'")
     if t.loss_chunk_tokens is not None and t.strategy == StrategyName.pipeline:
         bad("loss_chunk_tokens", "chunked cross-entropy is not built into the pipeline strategy's last stage; "
                                  "leave loss_chunk_tokens unset with strategy 'pipeline'")

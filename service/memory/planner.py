@@ -50,6 +50,8 @@ from service.domain.training import (
     dtype_bytes,
     feedforward_targets,
     in_flight_microbatches,
+    interleaved_in_flight,
+    local_stages,
     lora_targets,
     loss_chunk_problem,
     pipeline_problem,
@@ -324,6 +326,7 @@ class StageView:
     act: Activations  # one chunk's, through this stage's blocks (and the loss on the last stage)
     in_flight: int  # chunks whose activations the stage holds at its peak
     largest_trainable: int  # elements of the largest tensor the optimizer updates
+    saved_bytes: int | None = None  # interleaved_1f1b: the rank's peak over its local stages (else in_flight × act)
 
 
 def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | None, Pt: int, b: int,
@@ -334,7 +337,9 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
     flight at the stage's peak (service/domain/training.py: in_flight_microbatches); a stage after the
     first keeps its first block's input for the gradient it sends back, as a block after the first does."""
     t = spec.training
-    stages = t.pipeline.stages
+    ranks = t.pipeline.stages
+    local = local_stages(t.pipeline.schedule, t.pipeline.virtual_stages)
+    stages = ranks * local  # model stages; with interleaved_1f1b rank r holds r, r + ranks, …
     chunks = spec.resolved().pipeline_microbatches
     rows = max(1, b // chunks)
     full = targets is None
@@ -372,7 +377,25 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
             k, blocks, frozen * dtype_bytes(rg.frozen_dtype) + trained * dtype_bytes(rg.trainable_dtype),
             trained * dtype_bytes(rg.grad_dtype), trained * 2 * dtype_bytes(rg.optimizer_dtype), act,
             in_flight_microbatches(t.pipeline.schedule, stages, k, chunks), largest))
+    if local > 1:
+        return [_rank_view(r, views[r::ranks], interleaved_in_flight(ranks, local, r, chunks), t.gradient_checkpointing)
+                for r in range(ranks)]
     return views
+
+
+def _rank_view(rank: int, held: list[StageView], order: list[tuple[int, ...]], checkpointing: bool) -> StageView:
+    """A rank of interleaved_1f1b: its local model stages' states summed; its activations at the peak of
+    the schedule's order (service/domain/training.py: interleaved_in_flight), each local stage's chunks
+    weighted by that stage's own activations; the loss and backward terms of the stage that has them
+    (the last model stage on the last rank, else the rank's largest)."""
+    per_chunk = [v.act.saved(checkpointing) for v in held]
+    saved = max(sum(c * a for c, a in zip(counts, per_chunk)) for counts in order)
+    act = held[-1].act if held[-1].act.logits_bytes or held[-1].act.loss_saved_bytes else \
+        max(held, key=lambda v: v.act.saved(checkpointing)).act
+    return StageView(rank, range(held[0].blocks.start, held[-1].blocks.stop),
+                     sum(v.parameters for v in held), sum(v.gradients for v in held),
+                     sum(v.optimizer_states for v in held), act, max(sum(c) for c in order),
+                     max(v.largest_trainable for v in held), saved)
 
 
 # --- model states --------------------------------------------------------------------------------
@@ -465,7 +488,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
 
     stage_views: list[StageView] = []
     if strategy == "pipeline":
-        problem = pipeline_problem(shape.family, shape.num_layers, t.pipeline.stages)
+        problem = pipeline_problem(shape.family, shape.num_layers,
+                                   t.pipeline.stages * local_stages(t.pipeline.schedule, t.pipeline.virtual_stages))
         if problem:
             from service.domain.errors import SpecInvalid
 
@@ -570,7 +594,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
 
     # --- activations and the peak ----------------------------------------------------------
     if stage_views:  # every stage is planned; the fullest decides
-        options = [(v, v.act, v.in_flight * v.act.saved(t.gradient_checkpointing)) for v in stage_views
+        options = [(v, v.act, v.saved_bytes if v.saved_bytes is not None else v.in_flight * v.act.saved(t.gradient_checkpointing))
+                   for v in stage_views
                    if stage is None or v.index == stage]
     else:
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
@@ -592,7 +617,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         # Gradients live in forward: earlier micro-batches' (accumulation), ZeRO-3's flat gradient
         # partition buffer, which DeepSpeed allocates once and keeps (measured), or a 1F1B stage's
         # earlier chunks' (it runs backwards between forwards once its warm-up is done).
-        chunked = view is not None and t.pipeline.schedule == "1f1b" and spec.resolved().pipeline_microbatches > view.in_flight
+        chunked = view is not None and t.pipeline.schedule in ("1f1b", "interleaved_1f1b") and spec.resolved().pipeline_microbatches > view.in_flight
         g_fwd = g_all if (accum > 1 or (strategy == "deepspeed" and ds.zero_stage == 3) or chunked) else 0
         offloaded_step = ds.offload_optimizer == "cpu" and strategy == "deepspeed" or (strategy == "fsdp" and t.fsdp.cpu_offload)
         # DeepSpeed ZeRO ≥ 1: the fp32 master partition gets a flattened fp32 copy of its gradients for the step.
