@@ -96,6 +96,8 @@ def world_plans(spec: JobSpec, settings: Settings, *, model_path: str | None = N
     """Every world size of :func:`world_sizes` re-split and re-planned (for the training data when
     ``training_path`` is given, as the pre-flight plans); None when the job is not elastic. A model the
     planner cannot read is planned as fitting (its memory is only measured, as at the pre-flight)."""
+    from service.domain.errors import UnprocessableEntity
+    from service.memory.gpus import UnknownGPU
     from service.memory.preflight import UnknownModelShape, plan_for_spec
 
     sizes = world_sizes(spec)
@@ -111,6 +113,10 @@ def world_plans(spec: JobSpec, settings: Settings, *, model_path: str | None = N
             p = plan_for_spec(candidate, settings, model_path=model_path, training_path=training_path)
         except UnknownModelShape:
             out.append(split)
+            continue
+        except (UnprocessableEntity, UnknownGPU) as exc:  # e.g. more pipeline stages than blocks: not this size
+            out.append(split.model_copy(update={"problem": f"the planner refuses {world} workers: {exc}",
+                                                "code": "elastic_world_size"}))
             continue
         update: dict[str, Any] = {"fits": p.fits, "need_bytes": p.need_bytes, "peak_bytes": p.peak_bytes,
                                   "usable_bytes": p.usable_bytes}
