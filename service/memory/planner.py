@@ -327,6 +327,7 @@ class StageView:
     in_flight: int  # chunks whose activations the stage holds at its peak
     largest_trainable: int  # elements of the largest tensor the optimizer updates
     saved_bytes: int | None = None  # interleaved_1f1b: the rank's peak over its local stages (else in_flight × act)
+    local_blocks: list[range] | None = None  # interleaved_1f1b: the blocks of each model stage the rank holds
 
 
 def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | None, Pt: int, b: int,
@@ -395,7 +396,7 @@ def _rank_view(rank: int, held: list[StageView], order: list[tuple[int, ...]], c
     return StageView(rank, range(held[0].blocks.start, held[-1].blocks.stop),
                      sum(v.parameters for v in held), sum(v.gradients for v in held),
                      sum(v.optimizer_states for v in held), act, max(sum(c) for c in order),
-                     max(v.largest_trainable for v in held), saved)
+                     max(v.largest_trainable for v in held), saved, [v.blocks for v in held])
 
 
 # --- model states --------------------------------------------------------------------------------
@@ -496,7 +497,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             raise SpecInvalid([{"param": "training.pipeline.stages", "message": problem, "code": "invalid_value"}])
         stage_views = pipeline_stages(spec, shape, rg, targets, Pt, b, s)
         assumptions.append(f"pipeline: {t.pipeline.stages} stages × {N // t.pipeline.stages} data-parallel "
-                           f"replica(s), {t.pipeline.schedule}, {spec.resolved().pipeline_microbatches} chunk(s) per "
+                           f"replica(s), {t.pipeline.schedule}"
+                           + (f" ({local_stages(t.pipeline.schedule, t.pipeline.virtual_stages)} model stages per rank)"
+                              if t.pipeline.schedule == "interleaved_1f1b" else "")
+                           + f", {spec.resolved().pipeline_microbatches} chunk(s) per "
                            "micro-batch; the fullest stage is shown")
     elif strategy == "ddp":
         dev.parameters = base_param_bytes
@@ -652,7 +656,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                                             chunked_loss=bool(t.loss_chunk_tokens)))
         phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
         if view is not None:
-            assumptions.append(f"stage {view.index}: blocks {view.blocks.start}–{view.blocks.stop - 1}, "
+            blocks = " and ".join(f"{r.start}–{r.stop - 1}" for r in (view.local_blocks or [view.blocks]))
+            assumptions.append(f"stage {view.index}: blocks {blocks}, "
                                f"{view.in_flight} chunk(s) in flight, peak {max(phases.values()) / MiB:.1f} MiB")
         if fullest is None or max(phases.values()) > max(fullest[-1].values()):
             fullest = (view, A, state, dev.model_copy(), host.model_copy(), cands, phases)
