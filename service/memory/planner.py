@@ -621,7 +621,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         # Gradients live in forward: earlier micro-batches' (accumulation), ZeRO-3's flat gradient
         # partition buffer, which DeepSpeed allocates once and keeps (measured), or a 1F1B stage's
         # earlier chunks' (it runs backwards between forwards once its warm-up is done).
-        chunked = view is not None and t.pipeline.schedule in ("1f1b", "interleaved_1f1b") and spec.resolved().pipeline_microbatches > view.in_flight
+        chunked = view is not None and t.pipeline.schedule in ("1f1b", "interleaved_1f1b") and (
+            spec.resolved().pipeline_microbatches * local_stages(t.pipeline.schedule, t.pipeline.virtual_stages)
+            > view.in_flight)  # interleaved: the rank's forwards over all its model stages
         g_fwd = g_all if (accum > 1 or (strategy == "deepspeed" and ds.zero_stage == 3) or chunked) else 0
         offloaded_step = ds.offload_optimizer == "cpu" and strategy == "deepspeed" or (strategy == "fsdp" and t.fsdp.cpu_offload)
         # DeepSpeed ZeRO ≥ 1: the fp32 master partition gets a flattened fp32 copy of its gradients for the step.
