@@ -213,3 +213,18 @@ def test_interleaved_1f1b_plans_each_rank_at_its_schedules_peak():
         assert any(a.startswith(f"stage {k}:") and f"{(5, 3)[k]} chunk(s) in flight" in a for a in p.assumptions)
         # the same blocks per rank as 1f1b (0, 2 | 1, 3 against 0–1 | 2–3): the same model states
     assert _plan(inter).peak_bytes == max(_plan(inter, stage=k).peak_bytes for k in (0, 1))
+
+
+def test_the_spec_gives_the_workers_their_model_stages_per_rank():
+    from service.domain.spec import RunRequest, validate_spec
+    from workers.args import train_args
+
+    def local(pipeline: dict) -> int:
+        spec = validate_spec({"model": "preset:small-llama", "training_file": "file-x", "training": {
+            "strategy": "pipeline", "resources": {"num_workers": 2}, "pipeline": pipeline}})
+        req = RunRequest(job_id="ftjob-1", spec=spec, training_path="/x", output_dir="/y")
+        return train_args(req).pipeline_local_stages
+
+    assert local({"stages": 2, "schedule": "interleaved_1f1b"}) == 2
+    assert local({"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 3}) == 3
+    assert local({"stages": 2}) == 1
