@@ -164,16 +164,16 @@ def test_a_pipeline_longer_than_the_model_is_refused_by_field():
 
 
 @pytest.mark.parametrize("model", ["preset:small-llama", "preset:small-gpt2"])
-def test_interleaved_1f1b_trains_exactly_as_1f1b_and_ddp(tmp_path, model):
+def test_interleaved_1f1b_trains_exactly_as_1f1b(tmp_path, model):
     """Two ranks holding two model stages each (blocks 0 | 1 | 2 | 3 on ranks 0, 1, 0, 1): the same losses
-    as 1F1B and DDP on the same batches; GPT-2's tied embedding lives on rank 0's first stage and rank 1's
+    as 1F1B (and so DDP) on the same batches; GPT-2's tied embedding lives on rank 0's first stage and rank 1's
     last."""
     kw = dict(model=model, max_steps=3, learning_rate=5e-3)
-    ddp = _losses(run_local(_args(tmp_path / "ddp", **kw), world_size=1))
+    # 1F1B is DDP's update step for step (test_pipeline_trains_exactly_as_ddp): one reference run suffices
     one = _losses(run_local(_pipeline(tmp_path / "1f1b", **kw), world_size=2))
     inter = run_local(_pipeline(tmp_path / "i", pipeline_schedule="interleaved_1f1b", pipeline_local_stages=2,
                                 checkpoint_every_steps=3, **kw), world_size=2)
-    assert _losses(inter) == pytest.approx(one, rel=1e-5) and one == pytest.approx(ddp, rel=1e-5)
+    assert _losses(inter) == pytest.approx(one, rel=1e-5)
     assert _losses(inter)[-1] < _losses(inter)[0]
     import re
 
