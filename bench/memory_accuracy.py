@@ -36,7 +36,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MiB = 2**20
-STRATEGIES = ("ddp1", "fsdp2", "zero2", "zero3", "zero3_offload", "pp2")
+STRATEGIES = ("ddp1", "fsdp2", "zero2", "zero3", "zero3_offload", "pp2", "pp2i")
+PIPELINES = ("pp2", "pp2i")  # pp2i: interleaved 1F1B, two model stages per rank (blocks 0, 2 | 1, 3)
 CATS = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
 STATES = ("parameters", "gradients", "optimizer_states")
 # FSDP2 over gloo frees some unit buffers on gloo's threads, so a step's peak varies by up to a
@@ -58,7 +59,7 @@ class Case:
 
     @property
     def world(self) -> int:
-        return 1 if self.strategy == "ddp1" else 2  # pp2: two pipeline stages
+        return 1 if self.strategy == "ddp1" else 2  # pp2, pp2i: two pipeline ranks
 
     @property
     def name(self) -> str:
@@ -81,7 +82,8 @@ class Case:
         if self.peft == "lora":
             training["peft"] = {"method": "lora", "r": 8}
         if strategy == "pipeline":
-            training["pipeline"] = {"stages": 2, "schedule": "1f1b"}
+            training["pipeline"] = ({"stages": 2, "schedule": "1f1b"} if self.strategy == "pp2" else
+                                    {"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2})
         if strategy == "deepspeed":
             ds = {"zero_stage": 2 if self.strategy == "zero2" else 3}
             if self.strategy == "zero3_offload":
@@ -91,7 +93,7 @@ class Case:
 
 
 FAMILIES = ("small-llama", "small-qwen2")
-_STRATEGY = {"ddp1": "ddp", "fsdp2": "fsdp", "pp2": "pipeline"}  # the bench's names → the spec's
+_STRATEGY = {"ddp1": "ddp", "fsdp2": "fsdp", "pp2": "pipeline", "pp2i": "pipeline"}  # the bench's names → the spec's
 
 
 def chunked_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
@@ -175,12 +177,13 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
     model = S.build_model(args, model_dir)
     vocab = model.config.vocab_size
     engine = pp = None
-    if case.strategy == "pp2":
+    if case.strategy in PIPELINES:
         from workers.strategies.pipeline import Mesh, make_pipeline, split_model
 
         dist.init_process_group("gloo", rank=rank, world_size=case.world)
         mesh = Mesh(case.world, rank, 2)
-        model = split_model(model, mesh.stage, 2, autocast_dtype(training_regime(args))).to(device)
+        model = split_model(model, mesh.stage, 2, autocast_dtype(training_regime(args)),
+                            local=2 if case.strategy == "pp2i" else 1).to(device)
         optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
         pp = make_pipeline(model, mesh, "1f1b", args.pipeline_microbatches, device)
         offload = {"optimizer": "none", "param": "none"}
@@ -309,7 +312,7 @@ def predict(case: Case, rank: int | None = None) -> dict:
 
     spec = JobSpec.model_validate(case.spec_body())
     p = plan(spec, shape_for_model(resolve_model(spec.model, ())), None,
-             stage=rank if case.strategy == "pp2" else None)
+             stage=rank if case.strategy in PIPELINES else None)
     return p.model_dump(mode="json")
 
 
@@ -499,7 +502,7 @@ def run(cases: list[Case], *, load: str | None = None, save: str | None = None, 
                 Path(save).write_text(json.dumps(list(measured.values())))
         res = dict(measured[key])
         res["plan"] = predict(case)
-        if case.strategy == "pp2":  # stages differ: each rank against its own stage's plan
+        if case.strategy in PIPELINES:  # stages differ: each rank against its own stage's plan
             res["stage_plans"] = {str(rk["rank"]): predict(case, rk["rank"]) for rk in res["ranks"]}
         res["baselines"] = baselines(case)
         results.append(res)

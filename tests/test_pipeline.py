@@ -158,3 +158,73 @@ def test_a_pipeline_longer_than_the_model_is_refused_by_field():
     with pytest.raises(SpecInvalid) as exc:
         _plan({**PP, "pipeline": {"stages": 4}, "resources": {"num_workers": 4}}, "preset:tiny-llama")
     assert exc.value.param == "training.pipeline.stages" and "at least 4 decoder blocks" in str(exc.value)
+
+
+# --- interleaved 1F1B ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["preset:small-llama", "preset:small-gpt2"])
+def test_interleaved_1f1b_trains_exactly_as_1f1b(tmp_path, model):
+    """Two ranks holding two model stages each (blocks 0 | 1 | 2 | 3 on ranks 0, 1, 0, 1): the same losses
+    as 1F1B (and so DDP) on the same batches; GPT-2's tied embedding lives on rank 0's first stage and rank 1's
+    last."""
+    kw = dict(model=model, max_steps=3, learning_rate=5e-3)
+    # 1F1B is DDP's update step for step (test_pipeline_trains_exactly_as_ddp): one reference run suffices
+    one = _losses(run_local(_pipeline(tmp_path / "1f1b", **kw), world_size=2))
+    inter = run_local(_pipeline(tmp_path / "i", pipeline_schedule="interleaved_1f1b", pipeline_local_stages=2,
+                                checkpoint_every_steps=3, **kw), world_size=2)
+    assert _losses(inter) == pytest.approx(one, rel=1e-5)
+    assert _losses(inter)[-1] < _losses(inter)[0]
+    import re
+
+    stage_files = tmp_path / "i" / "checkpoints" / "step-3" / "pipeline"
+    blocks = [{int(m.group(2)) for k in torch.load(stage_files / f"stage-{r}.pt", weights_only=False)["model"]
+               if (m := re.search(r"\.(h|layers)\.(\d+)\.", k))} for r in (0, 1)]
+    assert blocks == [{0, 2}, {1, 3}]  # each rank held two non-adjacent model stages
+
+
+def test_interleaved_in_flight_follows_torchs_own_order():
+    """The planner's count of chunks held per local stage (service/domain/training.py) against the
+    operation order torch.distributed.pipelining builds for ScheduleInterleaved1F1B."""
+    from torch.distributed.pipelining.schedules import _ComputationType, _get_1f1b_rank_ops, _get_warmup_ops
+
+    from service.domain.training import interleaved_in_flight
+
+    for ranks, local, n in [(2, 2, 2), (2, 2, 4), (4, 2, 8), (2, 3, 4), (4, 2, 3), (2, 2, 6)]:
+        for rank in range(ranks):
+            per_round = n // max(1, n // ranks)
+            warmup = _get_warmup_ops(rank, local, per_round, ranks, n, multiply_factor=2)
+            ops = _get_1f1b_rank_ops(local, ranks, warmup, n * local - warmup, warmup, rank,
+                                     lambda op: ((op // per_round) % local) * ranks + rank,
+                                     lambda op: (local - 1 - ((op - warmup) // per_round) % local) * ranks + rank)
+            held, seen = [0] * local, []
+            for a in ops:
+                if a is not None:
+                    held[a.stage_index // ranks] += 1 if a.computation_type == _ComputationType.FORWARD else -1
+                    seen.append(tuple(held))
+            assert interleaved_in_flight(ranks, local, rank, n) == seen, (ranks, local, n, rank)
+    assert max(map(sum, interleaved_in_flight(2, 2, 0, 4))) == 5  # W = (2-1)·2 + 2·(2-1-0) = 4 warm-up, + 1
+
+
+def test_interleaved_1f1b_plans_each_rank_at_its_schedules_peak():
+    inter = {**PP, "pipeline": {"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}}
+    for k in (0, 1):
+        p = _plan(inter, stage=k)
+        assert any(a.startswith(f"stage {k}:") and f"{(5, 3)[k]} chunk(s) in flight" in a for a in p.assumptions)
+        # the same blocks per rank as 1f1b (0, 2 | 1, 3 against 0–1 | 2–3): the same model states
+    assert _plan(inter).peak_bytes == max(_plan(inter, stage=k).peak_bytes for k in (0, 1))
+
+
+def test_the_spec_gives_the_workers_their_model_stages_per_rank():
+    from service.domain.spec import RunRequest, validate_spec
+    from workers.args import train_args
+
+    def local(pipeline: dict) -> int:
+        spec = validate_spec({"model": "preset:small-llama", "training_file": "file-x", "training": {
+            "strategy": "pipeline", "resources": {"num_workers": 2}, "pipeline": pipeline}})
+        req = RunRequest(job_id="ftjob-1", spec=spec, training_path="/x", output_dir="/y")
+        return train_args(req).pipeline_local_stages
+
+    assert local({"stages": 2, "schedule": "interleaved_1f1b"}) == 2
+    assert local({"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 3}) == 3
+    assert local({"stages": 2}) == 1

@@ -215,3 +215,28 @@ def test_service_planner_does_not_import_torch():
     code = "import sys, service.memory.planner, service.memory.gpus, service.memory.shape; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_suggestions_propose_a_pipeline_whose_fullest_stage_fits():
+    from service.domain.spec import check_rules
+
+    s = spec(resources={"num_workers": 4, "gpus_per_worker": 1, "gpu_type": "a100-40gb"})
+    assert not plan(s, LLAMA2_7B, "a100-40gb").fits  # ddp: every rank holds the whole 7B with its AdamW states
+    options = {o.change: o for o in suggest(s, LLAMA2_7B, "a100-40gb", limit=20)}
+    pipe = options["pipeline_4"]
+    t = pipe.spec.training
+    assert (t.strategy.value, t.pipeline.stages, t.pipeline.schedule) == ("pipeline", 4, "gpipe")  # 1 row: one chunk
+    assert pipe.plan.fits and not check_rules(pipe.spec)
+    stages = [plan(pipe.spec, LLAMA2_7B, "a100-40gb", stage=i).peak_bytes for i in range(4)]
+    assert pipe.plan.peak_bytes == max(stages)  # the most loaded stage decides
+    assert "pipeline_2" not in options  # two stages of a 7B in fp32 do not fit 40 GB
+    # not offered where the pipeline strategy cannot run the job
+    for other in (spec(resources={"num_workers": 4, "gpus_per_worker": 1, "gpu_type": "a100-40gb"},
+                       peft={"method": "prefix_tuning"}),
+                  spec(resources={"num_workers": 4, "gpus_per_worker": 1, "gpu_type": "a100-40gb"}, loss_chunk_tokens=1024),
+                  spec(resources={"num_workers": 1, "gpus_per_worker": 1, "gpu_type": "a100-40gb"})):
+        assert not [o for o in suggest(other, LLAMA2_7B, "a100-40gb", limit=20) if o.change.startswith("pipeline")]
+    gemma = shape_from_config({"model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576, "head_dim": 256,
+                               "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
+                               "vocab_size": 256000})  # a family the pipeline workers do not split
+    assert not [o for o in suggest(s, gemma, "a100-40gb", limit=20) if o.change.startswith("pipeline")]

@@ -221,3 +221,19 @@ def test_other_methods_are_refused_naming_method_type(method):
         ("method.type", "unsupported_method",
          f"memfit offers supervised fine-tuning only; method.type {method!r} is not supported")]
     assert problems({**BASE, "method": {"type": "supervised", "dpo": {}}}) == [("method.dpo", "invalid_value")]
+
+
+def test_interleaved_1f1b_options_are_checked_by_field():
+    pp = {"strategy": "pipeline", "resources": {"num_workers": 2}, "hyperparameters": {"micro_batch_size": 5}}
+    ok = validate_spec({**BASE, "training": {**pp, "hyperparameters": {"micro_batch_size": 4},
+                                             "pipeline": {"stages": 2, "schedule": "interleaved_1f1b"}}})
+    assert ok.training.pipeline.virtual_stages is None  # 2 model stages per rank (service/domain/training.py)
+    # 5 chunks over 2 ranks: 2 rounds of 2 leave one over (ScheduleInterleaved1F1B refuses it)
+    assert problems({**BASE, "training": {**pp, "pipeline": {"stages": 2, "schedule": "interleaved_1f1b"}}}) == [
+        ("training.pipeline.microbatches", "invalid_value")]
+    assert problems({**BASE, "training": {**pp, "hyperparameters": {"micro_batch_size": 4},
+                                          "pipeline": {"stages": 2, "virtual_stages": 2}}}) == [
+        ("training.pipeline.virtual_stages", "invalid_value")]
+    assert problems({**BASE, "training": {**pp, "pipeline": {"stages": 2, "schedule": "interleaved_1f1b",
+                                                             "virtual_stages": 1}}})[0] == (
+        "training.pipeline.virtual_stages", "invalid_value")

@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from service.domain.spec import RunRequest
-from service.domain.training import MERGEABLE_PEFT
+from service.domain.training import MERGEABLE_PEFT, local_stages
 
 
 @dataclass
@@ -53,6 +53,7 @@ class TrainArgs:
     qat_group_size: int = 32
     pipeline_schedule: str = "1f1b"
     pipeline_stages: int = 2
+    pipeline_local_stages: int = 1  # interleaved_1f1b: model stages per rank (service/domain/training.py: local_stages)
     pipeline_microbatches: int = 4
     checkpoint_every_steps: int = 50
     telemetry_every_steps: int = 1
@@ -125,6 +126,7 @@ def train_args(req: RunRequest, fail_at: str | None = None) -> TrainArgs:
         qat_group_size=t.qat.group_size,
         pipeline_schedule=t.pipeline.schedule,
         pipeline_stages=t.pipeline.stages,
+        pipeline_local_stages=local_stages(t.pipeline.schedule, t.pipeline.virtual_stages),
         pipeline_microbatches=r.pipeline_microbatches,
         checkpoint_every_steps=t.checkpoint_every_steps,
         telemetry_every_steps=t.telemetry_every_steps,

@@ -53,9 +53,19 @@ def train_loop_per_worker(config: dict) -> None:
 
     from workers.steps import OOM_ERRORS
 
+    from workers.elastic import ElasticRefused, apply_world_size
+
     req = RunRequest.model_validate(config["request"])
-    args = train_args(req, fail_at=config.get("fail_at"))
     env = WorkerEnv.from_ray()
+    try:
+        # resources.min_workers: the world size Ray Train gave this group, re-planned (workers/elastic.py)
+        req, elastic_events = apply_world_size(req, env.world_size)
+    except ElasticRefused as exc:
+        _write_rank_failure(req.output_dir, env.rank, exc.error)
+        raise
+    args = train_args(req, fail_at=config.get("fail_at"))
+    if env.rank == 0:
+        args.extra["events"] = elastic_events
     env.resume_dir = req.resume_from
     if req.spec.training.on_oom == "downshift" and _ran_out_of_memory(req.output_dir):
         # Ray Train restarts a failed worker group with the same configuration, which would run out of
@@ -140,7 +150,8 @@ def build_trainer(req: RunRequest, fail_at: str | None = None):
                            "fail_at": fail_at if fail_at is not None else _fail_at_from_env()},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
                                  timeout_s=int(os.environ.get("MEMFIT_DIST_TIMEOUT_S", "1800"))),
-        scaling_config=ScalingConfig(num_workers=res.num_workers, use_gpu=use_gpu, resources_per_worker=per_worker),
+        # resources.min_workers: Ray Train V2's elastic group, started with as many workers as there is room for
+        scaling_config=ScalingConfig(num_workers=_worker_range(res), use_gpu=use_gpu, resources_per_worker=per_worker),
         run_config=RunConfig(
             name=req.job_id,
             storage_path=str(Path(req.output_dir).resolve() / "ray"),
@@ -149,6 +160,12 @@ def build_trainer(req: RunRequest, fail_at: str | None = None):
             callbacks=[callback],
         ),
     )
+
+
+def _worker_range(res) -> int | tuple[int, int]:
+    if res.min_workers is None or res.min_workers >= res.num_workers:
+        return res.num_workers
+    return (res.min_workers, res.num_workers)
 
 
 def fit(req: RunRequest, fail_at: str | None = None):

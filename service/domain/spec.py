@@ -19,6 +19,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from service.domain.elastic import WorldPlan
 from service.domain.training import MERGEABLE_PEFT
 
 
@@ -176,8 +177,12 @@ class DeepSpeedOptions(Strict):
 class PipelineOptions(Strict):
     stages: int = Field(2, ge=2, le=128, description=(
         "Pipeline stages, one per worker; resources.num_workers is a multiple of it (the rest is data parallel)."))
-    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description=(
-        "Pipeline schedule: gpipe runs every chunk's forward before any backward; 1f1b holds at most `stages`."))
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description=(
+        "Pipeline schedule: gpipe runs every chunk's forward before any backward; 1f1b holds at most `stages`; "
+        "interleaved_1f1b gives each worker `virtual_stages` non-adjacent slices of the blocks (a smaller bubble)."))
+    virtual_stages: int | None = Field(None, ge=2, le=32, description=(
+        "interleaved_1f1b: model stages per worker (the blocks are split into stages × virtual_stages); "
+        "None: 2. Only with schedule interleaved_1f1b."))
     microbatches: int | None = Field(None, ge=1, le=1024, description=(
         "Chunks each micro-batch is split into as it flows through the stages; divides micro_batch_size. "
         "None: one row per chunk (micro_batch_size chunks)."))
@@ -205,6 +210,11 @@ class QATOptions(Strict):
 
 class Resources(Strict):
     num_workers: int = Field(1, ge=1, le=4096, description="Ray Train workers (data-parallel ranks or stages).")
+    min_workers: int | None = Field(
+        None, ge=1, le=4096,
+        description="Elastic: run on as few as this many workers when num_workers are not free (a node lost, a "
+                    "busy cluster); Ray Train starts the largest group that fits and the global batch is kept "
+                    "by more accumulation (service/memory/elastic.py). None: exactly num_workers.")
     gpus_per_worker: float = Field(0, ge=0, le=16, description="GPUs per worker; 0 runs on CPUs.")
     gpu_type: str | None = Field(
         None, description="A named GPU from the catalogue (e.g. 'a100-40gb'); None for CPU workers."
@@ -624,10 +634,17 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
         if micro % chunks:
             bad("pipeline.microbatches", f"pipeline.microbatches ({chunks}) must divide the micro-batch of "
                                          f"{micro} rows (training.hyperparameters.micro_batch_size)")
+        elif t.pipeline.schedule == "interleaved_1f1b" and chunks % max(1, chunks // stages):
+            bad("pipeline.microbatches", f"the interleaved_1f1b schedule runs its {chunks} chunks per micro-batch in "
+                                         f"rounds of {chunks // stages} (torch.distributed.pipelining: ScheduleInterleaved1F1B "
+                                         f"needs the count a multiple of them): use a multiple of stages ({stages}) or "
+                                         "fewer chunks than stages")
         elif t.pipeline.schedule == "1f1b" and chunks < stages:
             bad("pipeline.microbatches", f"the 1f1b schedule needs at least as many chunks per micro-batch as "
                                          f"stages ({chunks} < {stages}): raise micro_batch_size or "
                                          "pipeline.microbatches, or use schedule 'gpipe'")
+    if t.pipeline.virtual_stages is not None and t.pipeline.schedule != "interleaved_1f1b":
+        bad("pipeline.virtual_stages", "virtual_stages needs pipeline.schedule 'interleaved_1f1b'")
     if t.loss_chunk_tokens is not None and t.strategy == StrategyName.pipeline:
         bad("loss_chunk_tokens", "chunked cross-entropy is not built into the pipeline strategy's last stage; "
                                  "leave loss_chunk_tokens unset with strategy 'pipeline'")
@@ -648,12 +665,29 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
             bad("resources.gpu_type", f"unknown GPU {t.resources.gpu_type!r}; known: {', '.join(sorted(known_gpus))}")
     if on_gpu and t.resources.gpus_per_worker != int(t.resources.gpus_per_worker) and t.resources.gpus_per_worker > 1:
         bad("resources.gpus_per_worker", "more than one GPU per worker must be a whole number")
+    if t.resources.min_workers is not None:
+        elastic_problem = _min_workers_problem(t)
+        if elastic_problem:
+            bad("resources.min_workers", elastic_problem)
     if t.resources.host_memory_budget_bytes is not None and on_gpu:
         bad("resources.host_memory_budget_bytes", "a host memory budget applies to CPU workers only")
     split = split_batch(spec)
     if split.problem is not None:
         problems.append(split.problem)
     return problems
+
+
+def _min_workers_problem(t: TrainingOptions) -> str | None:
+    """Why ``resources.min_workers`` cannot be used with these options, or None."""
+    least, most = t.resources.min_workers, t.resources.num_workers
+    if least > most:
+        return f"min_workers ({least}) must not exceed resources.num_workers ({most})"
+    if t.strategy == StrategyName.pipeline and least % t.pipeline.stages:
+        return f"min_workers ({least}) must be a multiple of pipeline.stages ({t.pipeline.stages})"
+    if t.strategy == StrategyName.deepspeed and least < most:
+        return ("a deepspeed checkpoint resumes only on the world size that wrote it; use ddp or fsdp for a range "
+                "of worker counts")
+    return None
 
 
 def _is_union_tag(part: Any) -> bool:
@@ -710,3 +744,6 @@ class RunRequest(Strict):
     ingest_token: str | None = None
     metrics_path: str | None = Field(None, description="JSON-lines sink path (always written when set).")
     plan: dict[str, Any] | None = Field(None, description="The planner's prediction, echoed into telemetry.")
+    world_sizes: list[WorldPlan] | None = Field(
+        None, description="resources.min_workers: the re-plan for each smaller world size Ray Train may start "
+                          "(service/memory/elastic.py), which the workers apply to the world size they get.")

@@ -185,6 +185,38 @@ def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches:
     return min(microbatches, stages - stage)
 
 
+def local_stages(schedule: str, virtual_stages: int | None) -> int:
+    """Model stages each pipeline rank holds: ``virtual_stages`` (default 2) with interleaved_1f1b, else 1.
+    The blocks are split into ``stages × local_stages`` model stages; rank r holds r, r + stages, …"""
+    return (virtual_stages or 2) if schedule == "interleaved_1f1b" else 1
+
+
+def interleaved_in_flight(ranks: int, local: int, rank: int, microbatches: int) -> list[tuple[int, ...]]:
+    """ScheduleInterleaved1F1B on ``rank`` of ``ranks`` with ``local`` stages each: after each of the
+    rank's operations, how many chunks each of its local stages holds (forwards whose backward has
+    not run), in local order. The order is torch.distributed.pipelining's (schedules.py, torch 2.13:
+    ScheduleInterleaved1F1B._calculate_single_rank_operations and _get_1f1b_rank_ops): rounds =
+    max(1, n // ranks) of n // rounds chunks; warm-up forwards W = min((local - 1)·per_round +
+    2·(ranks - 1 - rank), n·local); then one forward and one backward per operation, then the remaining
+    backwards. A forward of operation i runs local stage (i // per_round) mod local; a backward, local
+    stage local - 1 - ((i - W) // per_round) mod local. The peak is W + 1 chunks in all (the first
+    steady forward before its backward), of whichever local stages they belong to."""
+    n = microbatches
+    per_round = n // max(1, n // ranks)
+    total = n * local
+    warmup = min((local - 1) * per_round + 2 * (ranks - 1 - rank), total)
+    held = [0] * local
+    out: list[tuple[int, ...]] = []
+    for op in range(total + warmup):
+        if op < total:  # warm-up and steady operations run a forward (steady ones then a backward)
+            held[(op // per_round) % local] += 1
+            out.append(tuple(held))
+        if op >= warmup:  # steady and cool-down operations run a backward
+            held[local - 1 - ((op - warmup) // per_round) % local] -= 1
+            out.append(tuple(held))
+    return out
+
+
 # --- chunked cross-entropy ----------------------------------------------------------------------
 
 

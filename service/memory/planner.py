@@ -50,6 +50,8 @@ from service.domain.training import (
     dtype_bytes,
     feedforward_targets,
     in_flight_microbatches,
+    interleaved_in_flight,
+    local_stages,
     lora_targets,
     loss_chunk_problem,
     pipeline_problem,
@@ -384,6 +386,8 @@ class StageView:
     act: Activations  # one chunk's, through this stage's blocks (and the loss on the last stage)
     in_flight: int  # chunks whose activations the stage holds at its peak
     largest_trainable: int  # elements of the largest tensor the optimizer updates
+    saved_bytes: int | None = None  # interleaved_1f1b: the rank's peak over its local stages (else in_flight × act)
+    local_blocks: list[range] | None = None  # interleaved_1f1b: the blocks of each model stage the rank holds
 
 
 def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | None, Pt: int, b: int,
@@ -394,7 +398,9 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
     flight at the stage's peak (service/domain/training.py: in_flight_microbatches); a stage after the
     first keeps its first block's input for the gradient it sends back, as a block after the first does."""
     t = spec.training
-    stages = t.pipeline.stages
+    ranks = t.pipeline.stages
+    local = local_stages(t.pipeline.schedule, t.pipeline.virtual_stages)
+    stages = ranks * local  # model stages; with interleaved_1f1b rank r holds r, r + ranks, …
     chunks = spec.resolved().pipeline_microbatches
     rows = max(1, b // chunks)
     full = targets is None
@@ -432,7 +438,25 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
             k, blocks, frozen * dtype_bytes(rg.frozen_dtype) + trained * dtype_bytes(rg.trainable_dtype),
             trained * dtype_bytes(rg.grad_dtype), trained * 2 * dtype_bytes(rg.optimizer_dtype), act,
             in_flight_microbatches(t.pipeline.schedule, stages, k, chunks), largest))
+    if local > 1:
+        return [_rank_view(r, views[r::ranks], interleaved_in_flight(ranks, local, r, chunks), t.gradient_checkpointing)
+                for r in range(ranks)]
     return views
+
+
+def _rank_view(rank: int, held: list[StageView], order: list[tuple[int, ...]], checkpointing: bool) -> StageView:
+    """A rank of interleaved_1f1b: its local model stages' states summed; its activations at the peak of
+    the schedule's order (service/domain/training.py: interleaved_in_flight), each local stage's chunks
+    weighted by that stage's own activations; the loss and backward terms of the stage that has them
+    (the last model stage on the last rank, else the rank's largest)."""
+    per_chunk = [v.act.saved(checkpointing) for v in held]
+    saved = max(sum(c * a for c, a in zip(counts, per_chunk)) for counts in order)
+    act = held[-1].act if held[-1].act.logits_bytes or held[-1].act.loss_saved_bytes else \
+        max(held, key=lambda v: v.act.saved(checkpointing)).act
+    return StageView(rank, range(held[0].blocks.start, held[-1].blocks.stop),
+                     sum(v.parameters for v in held), sum(v.gradients for v in held),
+                     sum(v.optimizer_states for v in held), act, max(sum(c) for c in order),
+                     max(v.largest_trainable for v in held), saved, [v.blocks for v in held])
 
 
 # --- model states --------------------------------------------------------------------------------
@@ -536,14 +560,18 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
 
     stage_views: list[StageView] = []
     if strategy == "pipeline":
-        problem = pipeline_problem(shape.family, shape.num_layers, t.pipeline.stages)
+        problem = pipeline_problem(shape.family, shape.num_layers,
+                                   t.pipeline.stages * local_stages(t.pipeline.schedule, t.pipeline.virtual_stages))
         if problem:
             from service.domain.errors import SpecInvalid
 
             raise SpecInvalid([{"param": "training.pipeline.stages", "message": problem, "code": "invalid_value"}])
         stage_views = pipeline_stages(spec, shape, rg, targets, Pt, b, s)
         assumptions.append(f"pipeline: {t.pipeline.stages} stages × {N // t.pipeline.stages} data-parallel "
-                           f"replica(s), {t.pipeline.schedule}, {spec.resolved().pipeline_microbatches} chunk(s) per "
+                           f"replica(s), {t.pipeline.schedule}"
+                           + (f" ({local_stages(t.pipeline.schedule, t.pipeline.virtual_stages)} model stages per rank)"
+                              if t.pipeline.schedule == "interleaved_1f1b" else "")
+                           + f", {spec.resolved().pipeline_microbatches} chunk(s) per "
                            "micro-batch; the fullest stage is shown")
     elif strategy == "ddp":
         dev.parameters = base_param_bytes
@@ -641,7 +669,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
 
     # --- activations and the peak ----------------------------------------------------------
     if stage_views:  # every stage is planned; the fullest decides
-        options = [(v, v.act, v.in_flight * v.act.saved(t.gradient_checkpointing)) for v in stage_views
+        options = [(v, v.act, v.saved_bytes if v.saved_bytes is not None else v.in_flight * v.act.saved(t.gradient_checkpointing))
+                   for v in stage_views
                    if stage is None or v.index == stage]
     else:
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
@@ -665,7 +694,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         # Gradients live in forward: earlier micro-batches' (accumulation), ZeRO-3's flat gradient
         # partition buffer, which DeepSpeed allocates once and keeps (measured), or a 1F1B stage's
         # earlier chunks' (it runs backwards between forwards once its warm-up is done).
-        chunked = view is not None and t.pipeline.schedule == "1f1b" and spec.resolved().pipeline_microbatches > view.in_flight
+        chunked = view is not None and t.pipeline.schedule in ("1f1b", "interleaved_1f1b") and (
+            spec.resolved().pipeline_microbatches * local_stages(t.pipeline.schedule, t.pipeline.virtual_stages)
+            > view.in_flight)  # interleaved: the rank's forwards over all its model stages
         g_fwd = g_all if (accum > 1 or (strategy == "deepspeed" and ds.zero_stage == 3) or chunked) else 0
         offloaded_step = ds.offload_optimizer == "cpu" and strategy == "deepspeed" or (strategy == "fsdp" and t.fsdp.cpu_offload)
         # DeepSpeed ZeRO ≥ 1: the fp32 master partition gets a flattened fp32 copy of its gradients for the step.
@@ -700,7 +731,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                                             chunked_loss=bool(t.loss_chunk_tokens)))
         phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
         if view is not None:
-            assumptions.append(f"stage {view.index}: blocks {view.blocks.start}–{view.blocks.stop - 1}, "
+            blocks = " and ".join(f"{r.start}–{r.stop - 1}" for r in (view.local_blocks or [view.blocks]))
+            assumptions.append(f"stage {view.index}: blocks {blocks}, "
                                f"{view.in_flight} chunk(s) in flight, peak {max(phases.values()) / MiB:.1f} MiB")
         if fullest is None or max(phases.values()) > max(fullest[-1].values()):
             fullest = (view, A, state, dev.model_copy(), host.model_copy(), cands, phases)
@@ -881,6 +913,32 @@ def _candidates(spec: JobSpec, gpu: str | None) -> list[tuple[str, str, int, dic
     return out
 
 
+def _pipeline_candidates(spec: JobSpec, shape: ModelShape) -> list[tuple[str, str, int, dict[str, Any]]]:
+    """Pipeline parallelism over the job's workers: stages = num_workers, then its largest other divisor
+    (the rest data parallel), where the job could run as a pipeline — a family whose blocks the workers
+    split, enough blocks, and none of what the pipeline strategy refuses (fp16, prefix/prompt tuning,
+    qlora, a chunked loss, activation offload, QAT). Its plan is the most loaded stage's. 1F1B when each
+    micro-batch gives every stage a chunk, else GPipe."""
+    t = spec.training
+    n = t.resources.num_workers
+    if (t.strategy == StrategyName.pipeline or n < 2 or t.precision == Precision.fp16 or t.loss_chunk_tokens
+            or t.activation_offload or t.qat.enabled
+            or t.peft.method in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning, PeftMethod.qlora)):
+        return []
+    divisors = [d for d in range(n, 1, -1) if n % d == 0][:2]
+    micro = spec.resolved().micro_batch_size
+    out = []
+    for stages in divisors:
+        if pipeline_problem(shape.family, shape.num_layers, stages):
+            continue
+        schedule = "1f1b" if micro >= stages else "gpipe"
+        replicas = f", {n // stages} data-parallel replicas" if n // stages > 1 else ""
+        out.append((f"pipeline_{stages}", f"pipeline parallel: {stages} stages of the model's blocks ({schedule}{replicas})",
+                    5, {"training.strategy": "pipeline", "training.pipeline.stages": stages,
+                        "training.pipeline.schedule": schedule}))
+    return out
+
+
 def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
             limit: int = 8, seq_length: int | None = None, padded: bool = False, nodes=None) -> list[Change]:
     """Changes that would make ``spec`` fit, cheapest first, each with its predicted peak.
@@ -890,7 +948,7 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
     """
     found: list[Change] = []
     singles = []
-    for name, desc, cost, patch in _candidates(spec, gpu):
+    for name, desc, cost, patch in [*_candidates(spec, gpu), *_pipeline_candidates(spec, shape)]:
         try:
             s2 = _patched(spec, patch)
             p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded, nodes=nodes)

@@ -81,6 +81,7 @@ from service.domain.states import EVENT_MESSAGES, TERMINAL, JobStatus
 from service.domain.units import human_bytes
 from service.jobs import ingest, metrics, quotas
 from service.jobs.crud import add_event, purge_idempotency_keys
+from service.memory.elastic import world_plans
 from service.scheduler import faults
 from service.scheduler.paths import (
     INGEST_PATH,
@@ -384,19 +385,22 @@ class Scheduler:
         training = s.get(File, spec.training_file)
         validation = s.get(File, spec.validation_file) if spec.validation_file else None
         out = attempt_dir(self.settings, job.id, attempt)
+        model_path = resolve_model(spec.model, self.settings.model_dirs).local_dir
         return RunRequest(
             job_id=job.id,
             attempt=attempt,
             spec=spec,
             training_path=training.path,
             validation_path=validation.path if validation else None,
-            model_path=resolve_model(spec.model, self.settings.model_dirs).local_dir,
+            model_path=model_path,
             output_dir=str(out),
             resume_from=self._stage_resume(s, job.id, attempt, out),
             ingest_url=self.settings.api_url.rstrip("/") + INGEST_PATH.format(job_id=job.id),
             ingest_token=token,
             metrics_path=str(spool_path(self.settings, job.id, attempt)),
             plan=job.plan,
+            # resources.min_workers: each smaller world size re-planned before the run (service/memory/elastic.py)
+            world_sizes=world_plans(spec, self.settings, model_path=model_path, training_path=training.path),
         )
 
     def _stage_resume(self, s: Session, job_id: str, attempt: int, out: Path) -> str | None:

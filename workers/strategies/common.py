@@ -75,7 +75,7 @@ def prepare(args: TrainArgs, env: WorkerEnv, data_parallel: tuple[int, int] | No
     replicas = data_parallel[0] if data_parallel else env.world_size
     sampler = StepSampler(len(train), args.micro_batch_size, args.accumulation, replicas, args.seed)
     return Setup(model_dir, tokenizer, train, val, sampler, sampler.total_steps(args.n_epochs, args.max_steps),
-                 data_notices(args, train))
+                 [*args.extra.get("events", []), *data_notices(args, train)])
 
 
 def data_notices(args: TrainArgs, train: TokenizedData) -> list[dict]:

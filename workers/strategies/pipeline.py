@@ -1,5 +1,6 @@
 """Pipeline parallelism: the model's decoder blocks split into ``stages`` consecutive stages, one per
-worker, run by ``torch.distributed.pipelining`` (GPipe or 1F1B); with ``num_workers = dp × stages``
+worker, run by ``torch.distributed.pipelining`` (GPipe, 1F1B, or interleaved 1F1B, where each worker
+holds ``virtual_stages`` non-adjacent model stages: RankStages); with ``num_workers = dp × stages``
 the same pipeline is replicated ``dp`` times over a 2-D mesh (rank = dp index × stages + stage).
 
 How one optimizer step is computed (the same update as DDP over the same global batch, see
@@ -71,6 +72,7 @@ class PipelineStageModule(torch.nn.Module):
         if problem:
             raise ValueError(problem)
         self.config, self.family, self.amp_dtype = lm.config, family, amp_dtype
+        self.index, self.stages = index, stages
         self.first, self.last = index == 0, index == stages - 1
         names = {id(m): n for n, m in model.named_modules()}
         body = lm.transformer if family == "gpt2" else lm.model
@@ -120,12 +122,31 @@ class PipelineStageModule(torch.nn.Module):
         return self.head(self.norm(h)) if self.last else h
 
 
-def split_model(model, index: int, stages: int, amp_dtype=None) -> PipelineStageModule:
-    """This rank's stage. The modules of the other stages are replaced in ``model`` by empty ones so
-    their weights are freed; ``model`` keeps naming what this stage holds (checkpoints, export)."""
+class RankStages(torch.nn.Module):
+    """interleaved_1f1b: the model stages one rank holds (rank r of ``stages`` ranks: model stages r,
+    r + stages, …), each a PipelineStageModule the schedule runs on its own; seen from the loop, the
+    checkpoints and the export as one stage whose ``owned`` modules are all of theirs."""
+
+    def __init__(self, parts: list[PipelineStageModule]):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.config, self.family = parts[0].config, parts[0].family
+        self.first, self.last = parts[0].first, parts[-1].last
+        self.block_ids = [i for p in parts for i in p.block_ids]
+        self.owned = tuple(o for p in parts for o in p.owned)
+
+
+def split_model(model, index: int, stages: int, amp_dtype=None, local: int = 1) -> PipelineStageModule | RankStages:
+    """This rank's stage (``local`` > 1: its ``local`` model stages of ``stages × local``, as RankStages).
+    The modules of the other stages are replaced in ``model`` by empty ones so their weights are freed;
+    ``model`` keeps naming what this stage holds (checkpoints, export)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     tied = _tied(lm)
-    stage = PipelineStageModule(model, index, stages, amp_dtype)
+    if local > 1:
+        stage = RankStages([PipelineStageModule(model, index + k * stages, stages * local, amp_dtype)
+                            for k in range(local)])
+    else:
+        stage = PipelineStageModule(model, index, stages, amp_dtype)
     body = lm.transformer if stage.family == "gpt2" else lm.model
     blocks = body.h if stage.family == "gpt2" else body.layers
     for i in range(len(blocks)):
@@ -143,8 +164,10 @@ def split_model(model, index: int, stages: int, amp_dtype=None) -> PipelineStage
     return stage
 
 
-def stage_weight(stage: PipelineStageModule) -> torch.nn.Parameter:
+def stage_weight(stage: PipelineStageModule | RankStages) -> torch.nn.Parameter:
     """The embedding (first stage) or LM head (last stage) weight."""
+    if isinstance(stage, RankStages):
+        return stage_weight(stage.parts[0] if stage.first else stage.parts[-1])
     if stage.first:
         return (stage.wte if stage.family == "gpt2" else stage.embed).weight
     return stage.head.weight
@@ -233,13 +256,17 @@ class Pipeline:
 
 
 def make_pipeline(stage: PipelineStageModule, mesh: Mesh, schedule: str, chunks: int, device: torch.device) -> Pipeline:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     loss_scale = [1.0]
 
     def chunk_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(logits, labels) * loss_scale[0]
 
+    if isinstance(stage, RankStages):  # interleaved_1f1b: one PipelineStage per model stage this rank holds
+        pipes = [PipelineStage(p, p.index, p.stages, device, group=mesh.pp_group) for p in stage.parts]
+        return Pipeline(stage, mesh, ScheduleInterleaved1F1B(pipes, chunks, loss_fn=chunk_loss, scale_grads=False),
+                        loss_scale)
     pipe = PipelineStage(stage, mesh.stage, mesh.stages, device, group=mesh.pp_group)
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     # scale_grads=False: the loss carries the whole step's 1/T already (not 1/n_microbatches per run)
@@ -295,7 +322,8 @@ def train_pipeline(args: TrainArgs, env: WorkerEnv) -> dict:
     mesh = Mesh(env.world_size, env.rank, args.pipeline_stages)
     s = prepare(args, env, data_parallel=(mesh.dp, mesh.dp_index))
     model = build_model(args, s.model_dir)
-    stage = split_model(model, mesh.stage, mesh.stages, autocast_dtype(training_regime(args))).to(env.device)
+    stage = split_model(model, mesh.stage, mesh.stages, autocast_dtype(training_regime(args)),
+                        local=args.pipeline_local_stages).to(env.device)
     width = max(len(ids) for ids, _ in s.train.examples)
     optimizer = make_optimizer(stage, args.learning_rate, args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, s.total_steps)
@@ -350,20 +378,23 @@ def evaluate_pipeline(stage: PipelineStageModule, val: TokenizedData | None, arg
     stage.eval()
     width = max(len(ids) for ids, _ in val.examples)
     ranks = dist.get_process_group_ranks(mesh.pp_group)
+    parts = list(stage.parts) if isinstance(stage, RankStages) else [stage]
     loss_sum, tokens = 0.0, 0
     for batch in eval_batches(val, args.micro_batch_size, mesh.dp_index, mesh.dp):
         batch = _fixed_width(batch, width, val.pad_id)
-        if stage.first:
-            x = batch["input_ids"].to(env.device)
-        else:
-            x = torch.empty(batch["input_ids"].shape[0], width, stage.config.hidden_size, device=env.device)
-            dist.recv(x, src=ranks[mesh.stage - 1], group=mesh.pp_group)
-        out = stage(x)
-        if stage.last:
-            loss_sum += float(token_loss_sum(out, batch["labels"]))
-            tokens += label_tokens(batch)
-        else:
-            dist.send(out.float().contiguous(), dst=ranks[mesh.stage + 1], group=mesh.pp_group)
+        for part in parts:  # model stage i runs on rank i mod stages: receive from i - 1, send to i + 1
+            i = getattr(part, "index", mesh.stage)
+            if part.first:
+                x = batch["input_ids"].to(env.device)
+            else:
+                x = torch.empty(batch["input_ids"].shape[0], width, stage.config.hidden_size, device=env.device)
+                dist.recv(x, src=ranks[(i - 1) % mesh.stages], group=mesh.pp_group)
+            out = part(x)
+            if part.last:
+                loss_sum += float(token_loss_sum(out, batch["labels"]))
+                tokens += label_tokens(batch)
+            else:
+                dist.send(out.float().contiguous(), dst=ranks[(i + 1) % mesh.stages], group=mesh.pp_group)
     stage.train()
     totals = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64)
     dist.all_reduce(totals)  # only the last stages add anything
