@@ -6,7 +6,8 @@ parameters left out, attributed to the decoder block that was running. A middle 
 the planner's ``activations(...).layer_bytes`` for that block (service/memory/planner.py) to within a few
 kilobytes (the vectors IA3 multiplies by). These are the terms the held-out matrix
 found missing (bench/holdout_matrix.py): IA3 keeps its targets' outputs, not their inputs; Qwen3's per-head
-q/k norms keep their input, statistics and (full fine-tune) normalised input.
+q/k norms keep their input, statistics and (full fine-tune) normalised input; prefix tuning's keys and values
+are s + p long for every head, with a mask; prefix and prompt tuning leave every linear plain and frozen.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _block_saved_bytes(model, b: int, s: int) -> list[int]:
 
 
 @pytest.mark.parametrize("preset,peft", [("small-llama", "ia3"), ("small-qwen3", "none"), ("small-qwen3", "lora"),
-                                         ("small-qwen3", "ia3")])
+                                         ("small-qwen3", "ia3"), ("small-llama", "prefix_tuning"),
+                                         ("small-qwen2", "prompt_tuning")])
 def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft):
     from workers.args import train_args
     from workers.models import resolve_model_dir
@@ -72,8 +74,10 @@ def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft):
     shape = shape_from_config(json.loads((model_dir / "config.json").read_text()))
     b, s = 2, 128
     measured = _block_saved_bytes(model, b, s)
-    act = activations(shape, b, s, ACTIVATION_SIZES["fp32"], _lora_targets(spec, shape), spec.training.peft.r,
-                      ia3_feedforward=_ia3_feedforward(spec, shape))
-    middle = 1  # block 0's input needs no gradient under PEFT; the last block is the model's too
+    p = spec.training.peft.num_virtual_tokens
+    act = activations(shape, b, s + (p if peft == "prompt_tuning" else 0), ACTIVATION_SIZES["fp32"],
+                      _lora_targets(spec, shape), spec.training.peft.r, ia3_feedforward=_ia3_feedforward(spec, shape),
+                      prefix_tokens=p if peft == "prefix_tuning" else 0, input_grad=peft == "prompt_tuning")
+    middle = 2  # block 0's input needs no gradient under PEFT, block 1 is the first to keep the rotary tables
     tolerance = 8 * 1024  # the vectors IA3 multiplies by, which the planner leaves out (< 2 KiB here)
     assert abs(act.layer_bytes[middle] - measured[middle]) <= tolerance, (act.layer_bytes, measured)

@@ -110,6 +110,8 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
     peft = spec.training.peft
     if peft.method == PeftMethod.none:
         return None
+    if peft.method in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning):
+        return set()  # they train virtual tokens; every linear of the blocks stays plain and frozen
     targets = set(lora_targets(shape.family, peft.target_modules))
     if peft.method == PeftMethod.ia3:  # IA3's config adds its feed-forward modules (workers/peft_setup.py)
         targets |= set(feedforward_targets(shape.family, peft.target_modules))
@@ -127,7 +129,8 @@ def _ia3_feedforward(spec: JobSpec, shape: ModelShape) -> frozenset[str] | None:
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
                 attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
                 padded: bool = False, loss_chunk_tokens: int | None = None,
-                qat: tuple[int, bool] | None = None, ia3_feedforward: frozenset[str] | None = None) -> Activations:
+                qat: tuple[int, bool] | None = None, ia3_feedforward: frozenset[str] | None = None,
+                prefix_tokens: int = 0) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -145,6 +148,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     feed-forward target, its input after casting it to the vector's dtype (fp32); the multiplication keeps
     that output (in the compute dtype) or that fp32 input for the vector's gradient, and the frozen linear
     itself keeps nothing (autograd saves a matmul's input only for its weight's gradient).
+    ``prefix_tokens``: prefix tuning's virtual tokens, which peft hands every block as past keys and values
+    (see the attention term).
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -230,7 +235,13 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 n += T * qd * 2  # o_proj's adapter: PEFT's fp32 copy of the attention output, cast again (measured)
             # attention: SDPA keeps q, k, v after rotary, its output (= o_proj's input) and the lse
             n += T * qd * a + 2 * T * kvd * a + T * qd * a + b * shape.num_heads * s * 4
-            if padded and attention == "sdpa":
+            if prefix_tokens and attention == "sdpa":
+                # prefix tuning: the cached prefix makes keys and values s + p long, and transformers then
+                # passes SDPA a mask, so (as for padding, see padding_mask_bytes) every head's keys and values
+                # are materialised by repeat_kv and kept, with the additive b × s × (s + p) mask of each block
+                n += 2 * b * shape.num_heads * (s + prefix_tokens) * shape.head_dim * a - 2 * T * kvd * a
+                n += b * s * (s + prefix_tokens) * a
+            elif padded and attention == "sdpa":
                 n += padding_mask_bytes(shape, b, s, a)
             if attention == "eager":
                 probs = b * shape.num_heads * s * s
@@ -677,7 +688,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                           zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded,
                           loss_chunk_tokens=t.loss_chunk_tokens,
                           qat=(t.qat.group_size, t.qat.scheme == "int8-dynamic-act-int4-weight") if t.qat.enabled else None,
-                          ia3_feedforward=_ia3_feedforward(spec, shape))
+                          ia3_feedforward=_ia3_feedforward(spec, shape),
+                          prefix_tokens=t.peft.num_virtual_tokens if t.peft.method == PeftMethod.prefix_tuning else 0,
+                          # prompt tuning's virtual tokens are trainable embeddings: the first block's input needs a gradient
+                          input_grad=t.peft.method == PeftMethod.prompt_tuning)
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
