@@ -271,7 +271,8 @@ def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenize
         artifacts["adapter"] = "adapter"
         if args.merges_adapter:
             _publish_folder(out, "merged", lambda d: (
-                merge_adapter(model_dir, out / "adapter", d, attention=args.attention), tokenizer.save_pretrained(d)))
+                merge_adapter(model_dir, out / "adapter", d, attention=args.attention,
+                             quantized=args.peft_method == "qlora"), tokenizer.save_pretrained(d)))
             artifacts["merged"] = "merged"
     else:
         fresh.load_state_dict(state_dict, strict=True)

@@ -1,0 +1,77 @@
+"""QLoRA on CPU workers: bitsandbytes' CPU backend loads the base in 4-bit NF4 (double quantisation),
+peft trains a LoRA adapter on it, and the export merges the adapter into the dequantised base. Runs the
+strategy function the Ray workers run (workers/local.py run_local), one process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("bitsandbytes")
+
+from workers.args import TrainArgs  # noqa: E402
+from workers.local import run_local  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _preset_cache(tmp_path_factory):
+    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _args(tmp_path, **kw) -> TrainArgs:
+    base = dict(job_id="ftjob-qlora", output_dir=str(tmp_path / "out"), training_path=str(EXAMPLES / "completion.jsonl"),
+                model="preset:tiny-llama", peft_method="qlora", learning_rate=3e-2, warmup_steps=2, micro_batch_size=8,
+                max_steps=12, checkpoint_every_steps=100, telemetry_every_steps=1, memory_trace_every_steps=1000)
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+def test_qlora_trains_on_a_4bit_base_on_cpu_saves_and_merges(tmp_path):
+    import bitsandbytes as bnb
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from workers.models import resolve_model_dir
+    from workers.peft_setup import load_quantized
+    from workers.strategies import build_model
+
+    args = _args(tmp_path)
+    model_dir = str(resolve_model_dir(args.model))
+    model = build_model(args, model_dir)
+    four_bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(four_bit) == 2 * 7  # every projection of both blocks; lm_head stays dense
+    qs = four_bit[0].weight.quant_state
+    assert four_bit[0].weight.dtype == torch.uint8 and qs.quant_type == "nf4" and qs.nested  # double quantisation
+    # prepare_model_for_kbit_training: what is not 4-bit (embeddings, norms, lm_head) is fp32; the adapter trains
+    assert {p.dtype for p in model.parameters() if p.dtype != torch.uint8} == {torch.float32}
+    assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
+    del model
+
+    (result,) = run_local(args)
+    losses = [r["loss"] for r in result["reports"] if r.get("kind") == "metrics"]
+    assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    out = Path(args.output_dir)
+    assert result["artifacts"] == {"adapter": "adapter", "merged": "merged"}
+
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46]])
+    with torch.no_grad():
+        # the trained adapter on the 4-bit base it was trained against
+        adapted = PeftModel.from_pretrained(load_quantized(model_dir, "sdpa", torch.float32), str(out / "adapter")).eval()
+        adapted_logits = adapted(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+        assert not any(isinstance(m, bnb.nn.Linear4bit) for m in merged.modules())  # a plain fp32 checkpoint
+        merged_logits = merged(input_ids=ids).logits
+        # the same adapter on the original fp32 weights: off by the 4-bit rounding of the base
+        on_fp32 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(out / "adapter")).eval()
+        fp32_logits = on_fp32(input_ids=ids).logits
+    # merged into the dequantised base: what the adapter model computes, up to float rounding
+    torch.testing.assert_close(merged_logits, adapted_logits, rtol=1e-4, atol=1e-4)
+    # and NF4 really quantised the base: the fp32 weights give other logits, within 4-bit error of them
+    gap = (fp32_logits - adapted_logits).abs().max().item()
+    assert 1e-3 < gap < 0.25 * fp32_logits.abs().max().item(), gap
