@@ -247,6 +247,17 @@ def _keyed_by_name(optim_sd: dict, model) -> dict:
 # --- final artifacts ----------------------------------------------------------------------------
 
 
+def quantized_from(args: TrainArgs):
+    """QLoRA: the dtype the worker loaded the base in before quantising it (its regime's compute dtype); else None."""
+    if args.peft_method != "qlora":
+        return None
+    from service.domain.training import regime
+
+    from workers.strategies.common import torch_dtype
+
+    return torch_dtype(regime(args.strategy, args.peft_method, args.precision).compute_dtype)
+
+
 def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenizer) -> dict[str, str]:
     """Rank 0: rebuild the model on CPU from the base, load the trained state and save it in
     Hugging Face format — the adapter (+ merged model where the method allows) or the full model,
@@ -272,7 +283,7 @@ def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenize
         if args.merges_adapter:
             _publish_folder(out, "merged", lambda d: (
                 merge_adapter(model_dir, out / "adapter", d, attention=args.attention,
-                             quantized=args.peft_method == "qlora"), tokenizer.save_pretrained(d)))
+                             quantized_from=quantized_from(args)), tokenizer.save_pretrained(d)))
             artifacts["merged"] = "merged"
     else:
         fresh.load_state_dict(state_dict, strict=True)

@@ -57,7 +57,7 @@ def load_quantized(model_dir: str, attention: str, compute_dtype):
     device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, quantization_config=qlora_quantization(compute_dtype), attn_implementation=attention,
-        device_map=device_map,
+        device_map=device_map, dtype=compute_dtype,  # weights quantised from the compute dtype, dequantised to it
     )
     for m in model.modules():
         # On CPUs with AVX512-BF16, Linear4bit repacks its weight for inference the first time it runs in eval
@@ -88,19 +88,19 @@ def apply_peft(model, method: str, *, r=8, alpha=16.0, dropout=0.0, targets="aut
 
 
 def merge_adapter(base_dir: str, adapter_dir: str | Path, out_dir: str | Path, attention: str = "sdpa",
-                  quantized: bool = False) -> Path:
+                  quantized_from=None) -> Path:
     """Reload the base in fp32, apply the saved adapter, fold it into the weights and save a full model.
 
-    ``quantized`` (QLoRA): the adapter was trained against the NF4 base, so it is folded into that base
-    dequantised to fp32, not into the original weights: the merged model computes what the trained
-    adapter model computed (the original weights would differ from it by the 4-bit rounding)."""
+    ``quantized_from`` (QLoRA: the torch dtype training loaded the base in before quantising it): the adapter
+    was trained against the NF4 base, so it is folded into that base dequantised, not into the original
+    weights: the merged model computes what the trained adapter model computed (the original weights
+    would differ from it by the 4-bit rounding)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    if quantized:
-        base = load_quantized(base_dir, attention, torch.float32).dequantize()
-        base = base.to("cpu")
+    if quantized_from is not None:
+        base = load_quantized(base_dir, attention, quantized_from).dequantize().to("cpu", torch.float32)
     else:
         base = AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation=attention, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

@@ -59,6 +59,7 @@ from service.domain.training import (
 from service.memory.accuracy import accuracy_margin
 from service.memory import host as host_memory
 from service.memory.gpus import GPU, MiB, get_gpu
+from service.memory.nf4 import largest_quantised, qlora_base_bytes
 from service.memory.shape import ModelShape
 
 DEFAULT_HOST_BYTES = 16 * 2**30  # a CPU worker's memory when no host budget is given
@@ -115,7 +116,7 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
 
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
                 attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
-                padded: bool = False, loss_chunk_tokens: int | None = None) -> Activations:
+                padded: bool = False, loss_chunk_tokens: int | None = None, nf4_base: bool = False) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -126,6 +127,11 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     the model hands SDPA a padding mask instead of ``is_causal`` — see ``padding_mask_bytes``.
     ``loss_chunk_tokens``: the LM head and the loss run chunk by chunk (workers/chunked_loss.py); the
     vocabulary-sized terms are one chunk's.
+    ``nf4_base``: QLoRA's base linears are bitsandbytes' Linear4bit (service/memory/nf4.py): their matmul
+    (bitsandbytes/autograd/_functions.py MatMul4Bit) saves only the packed weight, which is resident anyway, and
+    dequantises it per call, so autocast caches no 16-bit copy of the base (only of the fp32 adapter, as for
+    ``lora16``); Linear4bit returns its output in its input's dtype, so under autocast the MLP's gate, up and
+    their product stay fp32; in backward, one dequantised weight in the compute dtype at a time.
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -151,7 +157,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
         if not regime.casts:
             return 0
         shapes = shape.linear_shapes()
-        if regime.name == "lora16":  # the base is bf16 already; autocast caches bf16 copies of A and B
+        if regime.name == "lora16" or nf4_base:  # no fp32 base weight to cast; autocast caches bf16 copies of A and B
             return sum(2 * r * (shapes[n][0] + shapes[n][1]) for n in names if adapted(n) or adapted(n.split(".")[-1]))
         return sum(2 * shapes[n][0] * shapes[n][1] for n in names)
 
@@ -204,7 +210,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             n += T * h * 4 + small + (normalized if full else 0)
             n += linear_input(norm_out, ["gate_proj", "up_proj"], h)
             # MLP: gate, act(gate), up kept by the activation and the product; the product by down_proj
-            n += 3 * T * i * a + (T * i * a if trainable("down_proj") else 0)
+            mlp = 4 if nf4_base and regime.casts else a  # Linear4bit hands back fp32 for an fp32 input
+            n += 3 * T * i * mlp + (T * i * a if trainable("down_proj") else 0)
             if zero3_linear and not full and in_grad:  # ZeRO-3's linear keeps the frozen MLP's inputs too
                 n += (T * h * a if not any(trainable(c) for c in ("gate_proj", "up_proj")) else 0)
                 n += (T * i * a if not trainable("down_proj") else 0)
@@ -249,6 +256,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
         loss_grad = 3 * c * V * 4 + T * h * res + (V * h * a if full else 0)
     ckpt_layer = T * h * res
     bwd_temp = 2 * T * i * a + 2 * T * h * 4
+    if nf4_base:  # MatMul4Bit.backward dequantises its weight to the compute dtype (quantised from it)
+        bwd_temp += largest_quantised(shape) * a
     return Activations(layer, final, loss_saved, logits, loss_copy, loss_grad, ckpt_layer, bwd_temp)
 
 
@@ -449,9 +458,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     if not qlora:
         base_param_bytes = (P - Pt) * dtype_bytes(rg.frozen_dtype) + Pt * dtype_bytes(rg.trainable_dtype)
     else:
-        base_param_bytes = int((P - Pt - shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)) * 0.5 * 1.03) \
-            + shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) * 2 + Pt * 4
-        assumptions.append("QLoRA: NF4 base (0.5 B/param + double-quantised constants), 16-bit embeddings")
+        base_param_bytes = qlora_base_bytes(shape) + Pt * 4
+        assumptions.append("QLoRA: NF4 base (0.5 B/param + double-quantised block constants, ~0.516 B/param), "
+                           "embeddings, norms and lm_head upcast to fp32, the adapter in fp32; no 16-bit copy of "
+                           "the base (each 4-bit linear dequantises its weight per call)")
     grad_bytes = dtype_bytes(rg.grad_dtype)
     grads_full = Pt * grad_bytes
     opt = Pt * 2 * dtype_bytes(rg.optimizer_dtype)
@@ -575,7 +585,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     else:
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
                           zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded,
-                          loss_chunk_tokens=t.loss_chunk_tokens)
+                          loss_chunk_tokens=t.loss_chunk_tokens, nf4_base=qlora)
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
