@@ -116,7 +116,8 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
 
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
                 attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
-                padded: bool = False, loss_chunk_tokens: int | None = None, nf4_base: bool = False) -> Activations:
+                padded: bool = False, loss_chunk_tokens: int | None = None, nf4_base: bool = False,
+                on_gpu: bool = True) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -131,7 +132,10 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     (bitsandbytes/autograd/_functions.py MatMul4Bit) saves only the packed weight, which is resident anyway, and
     dequantises it per call, so autocast caches no 16-bit copy of the base (only of the fp32 adapter, as for
     ``lora16``); Linear4bit returns its output in its input's dtype, so under autocast the MLP's gate, up and
-    their product stay fp32; in backward, one dequantised weight in the compute dtype at a time.
+    their product stay fp32; in backward, one dequantised weight in the compute dtype at a time. ``on_gpu``:
+    peft's 4-bit LoRA layer (peft/tuners/lora/bnb.py) casts a 16-bit input to the fp32 adapter unless
+    ``torch.is_autocast_enabled()``, which asks about CUDA's autocast only, so on CPU o_proj's adapter gets an
+    fp32 copy of the attention output that autocast casts back to a bf16 copy it keeps (measured).
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -194,7 +198,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             if not full and regime.casts:
                 pass  # counted by linear_input: each adapted projection's lora_A casts its own copy
             n += lora_extra(attn_in + ["o_proj"])
-            if regime.name == "lora16" and adapted("o_proj"):
+            if (regime.name == "lora16" or (nf4_base and regime.casts and not on_gpu)) and adapted("o_proj"):
                 n += T * qd * 2  # o_proj's adapter: PEFT's fp32 copy of the attention output, cast again (measured)
             # attention: SDPA keeps q, k, v after rotary, its output (= o_proj's input) and the lse
             n += T * qd * a + 2 * T * kvd * a + T * qd * a + b * shape.num_heads * s * 4
@@ -458,7 +462,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     if not qlora:
         base_param_bytes = (P - Pt) * dtype_bytes(rg.frozen_dtype) + Pt * dtype_bytes(rg.trainable_dtype)
     else:
-        base_param_bytes = qlora_base_bytes(shape) + Pt * 4
+        base_param_bytes = qlora_base_bytes(shape, dtype_bytes(rg.compute_dtype)) + Pt * 4
         assumptions.append("QLoRA: NF4 base (0.5 B/param + double-quantised block constants, ~0.516 B/param), "
                            "embeddings, norms and lm_head upcast to fp32, the adapter in fp32; no 16-bit copy of "
                            "the base (each 4-bit linear dequantises its weight per call)")
@@ -585,7 +589,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     else:
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
                           zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded,
-                          loss_chunk_tokens=t.loss_chunk_tokens, nf4_base=qlora)
+                          loss_chunk_tokens=t.loss_chunk_tokens, nf4_base=qlora, on_gpu=on_gpu)
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
