@@ -75,3 +75,30 @@ def test_qlora_trains_on_a_4bit_base_on_cpu_saves_and_merges(tmp_path):
     # and NF4 really quantised the base: the fp32 weights give other logits, within 4-bit error of them
     gap = (fp32_logits - adapted_logits).abs().max().item()
     assert 1e-3 < gap < 0.25 * fp32_logits.abs().max().item(), gap
+
+
+@pytest.mark.parametrize("model, precision", [("preset:tiny-llama", "bf16"), ("preset:tiny-qwen2", "fp32")])
+def test_planned_parameters_are_the_bytes_bitsandbytes_holds(tmp_path, model, precision):
+    """The planner's QLoRA parameters (service/memory/nf4.py) equal what telemetry counts on the real 4-bit model:
+    packed codes and every quantisation constant (workers/telemetry.py counts a Params4bit's quant_state), the
+    fp32 dense parameters, the adapter, and the quantised linears' biases in the compute dtype after a forward."""
+    from service.domain.model_ref import resolve_model
+    from service.domain.spec import JobSpec
+    from service.memory.planner import plan
+    from service.memory.shape import shape_for_model
+    from workers.models import resolve_model_dir
+    from workers.steps import WorkerEnv, make_optimizer, make_telemetry
+    from workers.strategies import build_model
+    from workers.strategies.common import autocast_dtype, training_regime
+
+    args = _args(tmp_path, model=model, precision=precision)
+    m = build_model(args, str(resolve_model_dir(model)))
+    ids = torch.tensor([[1, 40, 41, 42]])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_dtype(training_regime(args)) is not None):
+        m(input_ids=ids)
+    tel = make_telemetry(args, WorkerEnv.local("cpu"), m, make_optimizer(m, 1e-3, 0.0), "ddp",
+                         {"optimizer": "none", "param": "none"})
+    spec = JobSpec.model_validate({"model": model, "training_file": "file-x", "training": {
+        "precision": precision, "peft": {"method": "qlora"}}})
+    planned = plan(spec, shape_for_model(resolve_model(model, ()))).model_states.device.parameters
+    assert tel.counters()["parameters_bytes"] == planned

@@ -253,9 +253,7 @@ def quantized_from(args: TrainArgs):
         return None
     from service.domain.training import regime
 
-    from workers.strategies.common import torch_dtype
-
-    return torch_dtype(regime(args.strategy, args.peft_method, args.precision).compute_dtype)
+    return getattr(torch, regime(args.strategy, args.peft_method, args.precision).compute_dtype)  # "bfloat16" …
 
 
 def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenizer) -> dict[str, str]:
