@@ -102,3 +102,34 @@ def test_planned_parameters_are_the_bytes_bitsandbytes_holds(tmp_path, model, pr
         "precision": precision, "peft": {"method": "qlora"}}})
     planned = plan(spec, shape_for_model(resolve_model(model, ()))).model_states.device.parameters
     assert tel.counters()["parameters_bytes"] == planned
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_qlora_job_over_http_on_cpu_workers_succeeds_and_merges(new_database, ray_head, tmp_path_factory):
+    """The whole path: the API accepts qlora on CPU workers, the scheduler submits it to Ray, two DDP ranks
+    train LoRA on the 4-bit base, and the job ends with an adapter and a merged model; its measured peak is
+    the plan's (the same planner the admission used)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_e2e import Stack
+
+    with new_database() as url:
+        stack = Stack(url, tmp_path_factory.mktemp("qlora-storage"), ray_head)
+        stack.start_scheduler()
+        try:
+            job_id = stack.create(peft={"method": "qlora", "r": 8}, hyperparameters={"max_steps": 4},
+                                  checkpoint_every_steps=4, memory_trace_every_steps=2)
+            job = stack.wait(job_id, ("succeeded",))
+            assert stack.metrics_steps(job_id, 0) == stack.metrics_steps(job_id, 1) == [1, 2, 3, 4]
+            artifacts = stack.artifacts(job)
+            assert (Path(artifacts["adapter"]) / "adapter_config.json").exists()
+            merged = AutoModelForCausalLM.from_pretrained(artifacts["merged"])
+            assert merged.config.to_dict().get("quantization_config") is None  # a plain model, not a 4-bit one
+            view = stack.http.get(f"/v1/fine_tuning/jobs/{job_id}/memory", headers=stack.auth).json()
+            assert "QLoRA" in " ".join(view["plan"]["assumptions"])
+            for rank in ("0", "1"):
+                assert view["errors"][rank]["total"] == pytest.approx(0, abs=0.03), (view["predicted"], view["measured_peaks"])
+        finally:
+            stack.close()
