@@ -32,7 +32,7 @@ def _args(tmp_path, **kw) -> TrainArgs:
     return TrainArgs(**base)
 
 
-def test_qlora_trains_on_a_4bit_base_on_cpu_saves_and_merges(tmp_path):
+def test_qlora_trains_on_a_4bit_base_on_cpu_resumes_saves_and_merges(tmp_path):
     import bitsandbytes as bnb
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -41,7 +41,7 @@ def test_qlora_trains_on_a_4bit_base_on_cpu_saves_and_merges(tmp_path):
     from workers.peft_setup import load_quantized
     from workers.strategies import build_model
 
-    args = _args(tmp_path)
+    args = _args(tmp_path, checkpoint_every_steps=9)
     model_dir = str(resolve_model_dir(args.model))
     model = build_model(args, model_dir)
     four_bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -58,6 +58,11 @@ def test_qlora_trains_on_a_4bit_base_on_cpu_saves_and_merges(tmp_path):
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
     out = Path(args.output_dir)
     assert result["artifacts"] == {"adapter": "adapter", "merged": "merged"}
+    # resumed from the step-9 checkpoint (the adapter and its optimizer state; the base is reloaded in 4 bits):
+    # steps 10-12 repeat with the same losses
+    (resumed,) = run_local(args, resume_dir=str(out / "checkpoints" / "step-9"))
+    again = {r["step"]: r["loss"] for r in resumed["reports"] if r.get("kind") == "metrics"}
+    assert sorted(again) == [10, 11, 12] and [again[s] for s in (10, 11, 12)] == pytest.approx(losses[9:], rel=1e-5)
 
     ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46]])
     with torch.no_grad():
