@@ -37,18 +37,21 @@ def peft_config(method: str, family: str, *, r: int, alpha: float, dropout: floa
     raise ValueError(f"unknown peft method {method!r}")
 
 
-def qlora_quantization(compute_dtype):
+def qlora_quantization(compute_dtype, quant_storage=None):
     """QLoRA's base as bitsandbytes stores it: NF4 with double quantisation (the absmax of each block of 64
-    weights itself quantised to 8 bits), matmuls in the regime's compute dtype (fp32 or bf16)."""
+    weights itself quantised to 8 bits), matmuls in the regime's compute dtype (fp32 or bf16). The packed
+    codes live in a uint8 tensor, or in ``quant_storage`` (the same bytes viewed as that dtype): FSDP2 shards
+    and gathers a unit in one dtype, so under FSDP2 the codes are stored in the dtype it gathers in."""
+    import torch
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=quant_storage or torch.uint8,
     )
 
 
-def load_quantized(model_dir: str, attention: str, compute_dtype):
+def load_quantized(model_dir: str, attention: str, compute_dtype, quant_storage=None):
     """The base loaded in 4 bits on this worker's device (the current GPU, else the CPU)."""
     import bitsandbytes as bnb
     import torch
@@ -56,7 +59,7 @@ def load_quantized(model_dir: str, attention: str, compute_dtype):
 
     device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, quantization_config=qlora_quantization(compute_dtype), attn_implementation=attention,
+        model_dir, quantization_config=qlora_quantization(compute_dtype, quant_storage), attn_implementation=attention,
         device_map=device_map, dtype=compute_dtype,  # weights quantised from the compute dtype, dequantised to it
     )
     for m in model.modules():
@@ -68,13 +71,13 @@ def load_quantized(model_dir: str, attention: str, compute_dtype):
     return model
 
 
-def load_qlora_base(model_dir: str, attention: str, compute_dtype):
+def load_qlora_base(model_dir: str, attention: str, compute_dtype, quant_storage=None):
     """A 4-bit NF4 base for QLoRA, on GPU or CPU (bitsandbytes >= 0.49 has a CPU backend).
     ``prepare_model_for_kbit_training`` upcasts every parameter that is not 4-bit (embeddings, norms,
     lm_head) to fp32, as the planner counts them."""
     from peft import prepare_model_for_kbit_training
 
-    model = load_quantized(model_dir, attention, compute_dtype)
+    model = load_quantized(model_dir, attention, compute_dtype, quant_storage)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 

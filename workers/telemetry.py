@@ -119,6 +119,8 @@ def _model_parameters(model) -> list[torch.Tensor]:
         ds = getattr(p, "ds_tensor", None)  # ZeRO-3: p.data is empty, the partition is ds_tensor
         params.append(ds if ds is not None else p)
         params.extend(_quant_state_tensors(getattr(p, "quant_state", None)))
+    for m in model.modules():  # FSDP2 shards the 4-bit weight into a DTensor; Linear4bit keeps the state itself
+        params.extend(_quant_state_tensors(getattr(m, "quant_state", None)))
     return params
 
 
