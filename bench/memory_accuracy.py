@@ -5,7 +5,7 @@
     .venv/bin/python bench/memory_accuracy.py --save m.json      # keep the measurements
     .venv/bin/python bench/memory_accuracy.py --load m.json      # re-predict without re-measuring
     .venv/bin/python bench/memory_accuracy.py --chunked          # the chunked cross-entropy configs (10)
-    .venv/bin/python bench/memory_accuracy.py --qlora            # QLoRA on a 4-bit base under DDP (8)
+    .venv/bin/python bench/memory_accuracy.py --qlora            # QLoRA on a 4-bit base under DDP and FSDP2 (12)
 
 Each config trains a random-init preset (small-llama, small-qwen2: hidden 256, 4 layers, vocab
 8000) for 3 optimizer steps with the workers' own setup code (workers/strategies/: build_model,
@@ -106,10 +106,12 @@ def chunked_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
 
 
 def qlora_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
-    """QLoRA (a 4-bit NF4 base, bitsandbytes' CPU backend) under DDP, the one strategy it runs with:
-    both families, fp32 and bf16 (autocast), with and without checkpointing."""
-    return [Case(f, s, "qlora", pr, c, "ddp1") for f in families
-            for s, pr, c in ((512, "fp32", False), (512, "bf16", False), (512, "bf16", True), (128, "fp32", True))]
+    """QLoRA (a 4-bit NF4 base, bitsandbytes' CPU backend) under DDP and FSDP2, the strategies it runs with:
+    both families, fp32 and bf16 (autocast under DDP, pure bf16 under FSDP2), with and without checkpointing."""
+    ddp = [Case(f, s, "qlora", pr, c, "ddp1") for f in families
+           for s, pr, c in ((512, "fp32", False), (512, "bf16", False), (512, "bf16", True), (128, "fp32", True))]
+    return ddp + [Case(f, s, "qlora", pr, c, "fsdp2", steps=FSDP2_STEPS) for f in families
+                  for s, pr, c in ((512, "fp32", False), (256, "bf16", True))]
 
 
 def matrix(quick: bool, families: tuple[str, ...] = FAMILIES) -> list[Case]:
@@ -586,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", help="also write the per-config table as Markdown to this file")
     ap.add_argument("--chunked", action="store_true",
                     help="the chunked cross-entropy configs (training.loss_chunk_tokens) instead of the matrix")
-    ap.add_argument("--qlora", action="store_true", help="the QLoRA configs (8) instead of the matrix")
+    ap.add_argument("--qlora", action="store_true", help="the QLoRA configs (12) instead of the matrix")
     ap.add_argument("--families", default=",".join(FAMILIES),
                     help="comma-separated presets for the matrix (small-gpt2 and small-gemma exist too)")
     a = ap.parse_args(argv)

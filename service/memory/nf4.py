@@ -67,3 +67,15 @@ def qlora_base_bytes(shape: ModelShape, compute_bytes: int, double_quant: bool =
 def largest_quantised(shape: ModelShape) -> int:
     """Elements of the largest quantised weight: what one dequantisation materialises at a time."""
     return max(quantised_numels(shape), default=0)
+
+
+def packed_bytes(shape: ModelShape, layers: int | None = None) -> int:
+    """The packed 4-bit codes alone (of ``layers`` blocks, default all): what FSDP2 shards and gathers."""
+    one = sum(_ceil(i * o, 2) for i, o in shape.linear_shapes().values())
+    return one * (shape.num_layers if layers is None else layers)
+
+
+def constants_bytes(shape: ModelShape, double_quant: bool = True) -> int:
+    """The quantisation constants of every 4-bit weight: not parameters, so FSDP2 leaves them whole on
+    every rank (Linear4bit keeps its ``quant_state`` beside the sharded weight)."""
+    return sum(nf4_weight_bytes(n, double_quant) - _ceil(n, 2) for n in quantised_numels(shape))

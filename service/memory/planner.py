@@ -59,7 +59,13 @@ from service.domain.training import (
 from service.memory.accuracy import accuracy_margin
 from service.memory import host as host_memory
 from service.memory.gpus import GPU, MiB, get_gpu
-from service.memory.nf4 import largest_quantised, qlora_base_bytes
+from service.memory.nf4 import (
+    constants_bytes,
+    largest_quantised,
+    packed_bytes,
+    qlora_base_bytes,
+    quantised_numels,
+)
 from service.memory.shape import ModelShape
 
 DEFAULT_HOST_BYTES = 16 * 2**30  # a CPU worker's memory when no host budget is given
@@ -503,6 +509,14 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         unit_bytes = dtype_bytes(rg.compute_dtype)  # a unit is gathered in the compute dtype
         adapter_per_layer = 0 if full else Pt // max(shape.num_layers, 1)
         layer_unsharded = (shape.layer_params() + adapter_per_layer) * unit_bytes
+        if qlora:
+            # the packed 4-bit codes (stored in the compute dtype, workers/peft_setup.py) shard and gather as
+            # bytes; their constants are not parameters and stay whole on every rank (service/memory/nf4.py)
+            quantised = sum(quantised_numels(shape))
+            dev.parameters = (packed_bytes(shape) + (P - quantised) * dtype_bytes(rg.trainable_dtype)) // N \
+                + constants_bytes(shape)
+            layer_quantised = quantised // max(shape.num_layers, 1)
+            layer_unsharded = packed_bytes(shape, 1) + (shape.layer_params() - layer_quantised + adapter_per_layer) * unit_bytes
         root = (shape.parameter_count() - shape.num_layers * shape.layer_params()) * unit_bytes
         if t.fsdp.reshard_after_forward:
             # Every unit, the root included, reshards when its forward ends and re-gathers only when
