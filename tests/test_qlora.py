@@ -82,6 +82,30 @@ def test_qlora_trains_on_a_4bit_base_on_cpu_resumes_saves_and_merges(tmp_path):
     assert 1e-3 < gap < 0.25 * fp32_logits.abs().max().item(), gap
 
 
+def test_qlora_under_fsdp2_on_two_gloo_ranks_shards_the_4bit_codes_and_learns(tmp_path):
+    """FSDP2 shards the packed 4-bit codes, stored in the dtype it gathers in (bnb_4bit_quant_storage = the
+    compute dtype, bf16 here): the ranks learn together and the export merges; each rank holds half the codes."""
+    from transformers import AutoModelForCausalLM
+
+    args = _args(tmp_path, strategy="fsdp", precision="bf16", micro_batch_size=4, learning_rate=5e-3, max_steps=6)
+    results = run_local(args, world_size=2)
+    losses = [[r["loss"] for r in res["reports"] if r.get("kind") == "metrics"] for res in results]
+    assert losses[0] == losses[1] and losses[0][-1] < losses[0][0] - 0.2, losses
+    assert results[0]["artifacts"] == {"adapter": "adapter", "merged": "merged"}
+    AutoModelForCausalLM.from_pretrained(Path(args.output_dir) / "merged")
+    from service.domain.model_ref import resolve_model
+    from service.domain.spec import JobSpec
+    from service.memory.planner import plan
+    from service.memory.shape import shape_for_model
+
+    spec = JobSpec.model_validate({"model": args.model, "training_file": "file-x", "training": {
+        "strategy": "fsdp", "precision": "bf16", "peft": {"method": "qlora"}, "resources": {"num_workers": 2}}})
+    planned = plan(spec, shape_for_model(resolve_model(args.model, ()))).model_states.device.parameters
+    for res in results:  # each rank: half the codes and the fp32 rest, the whole constants (service/memory/nf4.py)
+        state = [m for r in res["reports"] if r.get("kind") == "metrics" for m in r.get("memory", [])][-1]
+        assert state["parameters_bytes"] == planned
+
+
 @pytest.mark.parametrize("model, precision", [("preset:tiny-llama", "bf16"), ("preset:tiny-qwen2", "fp32")])
 def test_planned_parameters_are_the_bytes_bitsandbytes_holds(tmp_path, model, precision):
     """The planner's QLoRA parameters (service/memory/nf4.py) equal what telemetry counts on the real 4-bit model:
