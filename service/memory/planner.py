@@ -502,7 +502,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             comm = grads_full  # DDP's gradient buckets: a second fp32 copy of every trainable gradient
             assumptions.append("DDP keeps gradient buckets (one fp32 copy of the trainable gradients)")
     elif strategy == "fsdp":
-        # FSDP2 keeps one dtype per unit: every shard in the trained weights' (an NF4 base is counted so too)
+        # FSDP2 keeps one dtype per unit: every shard in the trained weights' (QLoRA's packed codes: below)
         dev.parameters = P * dtype_bytes(rg.trainable_dtype) // N
         dev.gradients = grads_full // N
         dev.optimizer_states = opt // N
