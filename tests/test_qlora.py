@@ -87,17 +87,17 @@ def test_qlora_under_fsdp2_on_two_gloo_ranks_shards_the_4bit_codes_and_learns(tm
     compute dtype, bf16 here): the ranks learn together and the export merges; each rank holds half the codes."""
     from transformers import AutoModelForCausalLM
 
+    from service.domain.model_ref import resolve_model
+    from service.domain.spec import JobSpec
+    from service.memory.planner import plan
+    from service.memory.shape import shape_for_model
+
     args = _args(tmp_path, strategy="fsdp", precision="bf16", micro_batch_size=4, learning_rate=5e-3, max_steps=6)
     results = run_local(args, world_size=2)
     losses = [[r["loss"] for r in res["reports"] if r.get("kind") == "metrics"] for res in results]
     assert losses[0] == losses[1] and losses[0][-1] < losses[0][0] - 0.2, losses
     assert results[0]["artifacts"] == {"adapter": "adapter", "merged": "merged"}
     AutoModelForCausalLM.from_pretrained(Path(args.output_dir) / "merged")
-    from service.domain.model_ref import resolve_model
-    from service.domain.spec import JobSpec
-    from service.memory.planner import plan
-    from service.memory.shape import shape_for_model
-
     spec = JobSpec.model_validate({"model": args.model, "training_file": "file-x", "training": {
         "strategy": "fsdp", "precision": "bf16", "peft": {"method": "qlora"}, "resources": {"num_workers": 2}}})
     planned = plan(spec, shape_for_model(resolve_model(args.model, ()))).model_states.device.parameters
