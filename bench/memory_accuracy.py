@@ -5,6 +5,7 @@
     .venv/bin/python bench/memory_accuracy.py --save m.json      # keep the measurements
     .venv/bin/python bench/memory_accuracy.py --load m.json      # re-predict without re-measuring
     .venv/bin/python bench/memory_accuracy.py --chunked          # the chunked cross-entropy configs (10)
+    .venv/bin/python bench/memory_accuracy.py --qlora            # QLoRA on a 4-bit base under DDP and FSDP2 (12)
 
 Each config trains a random-init preset (small-llama, small-qwen2: hidden 256, 4 layers, vocab
 8000) for 3 optimizer steps with the workers' own setup code (workers/strategies/: build_model,
@@ -79,8 +80,8 @@ class Case:
         }
         if self.loss_chunk:
             training["loss_chunk_tokens"] = self.loss_chunk
-        if self.peft == "lora":
-            training["peft"] = {"method": "lora", "r": 8}
+        if self.peft in ("lora", "qlora"):
+            training["peft"] = {"method": self.peft, "r": 8}
         if strategy == "pipeline":
             training["pipeline"] = ({"stages": 2, "schedule": "1f1b"} if self.strategy == "pp2" else
                                     {"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2})
@@ -104,6 +105,15 @@ def chunked_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
             for p, pr, c, st in (("none", "fp32", False, "ddp1"), ("none", "bf16", False, "ddp1"),
                                  ("lora", "bf16", True, "ddp1"), ("none", "bf16", False, "fsdp2"),
                                  ("lora", "fp32", False, "zero3"))]
+
+
+def qlora_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
+    """QLoRA (a 4-bit NF4 base, bitsandbytes' CPU backend) under DDP and FSDP2, the strategies it runs with:
+    both families, fp32 and bf16 (autocast under DDP, pure bf16 under FSDP2), with and without checkpointing."""
+    ddp = [Case(f, s, "qlora", pr, c, "ddp1") for f in families
+           for s, pr, c in ((512, "fp32", False), (512, "bf16", False), (512, "bf16", True), (128, "fp32", True))]
+    return ddp + [Case(f, s, "qlora", pr, c, "fsdp2", steps=FSDP2_STEPS) for f in families
+                  for s, pr, c in ((512, "fp32", False), (256, "bf16", True))]
 
 
 def matrix(quick: bool, families: tuple[str, ...] = FAMILIES) -> list[Case]:
@@ -581,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", help="also write the per-config table as Markdown to this file")
     ap.add_argument("--chunked", action="store_true",
                     help="the chunked cross-entropy configs (training.loss_chunk_tokens) instead of the matrix")
+    ap.add_argument("--qlora", action="store_true", help="the QLoRA configs (12) instead of the matrix")
     ap.add_argument("--families", default=",".join(FAMILIES),
                     help="comma-separated presets for the matrix (small-gpt2 and small-gemma exist too)")
     a = ap.parse_args(argv)
@@ -589,7 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cases = chunked_matrix(tuple(a.families.split(","))) if a.chunked else matrix(a.quick, tuple(a.families.split(",")))
+    families = tuple(a.families.split(","))
+    cases = (chunked_matrix(families) if a.chunked else qlora_matrix(families) if a.qlora
+             else matrix(a.quick, families))
     if a.load and a.loaded_only:
         cases = []
         for path in a.load.split(","):

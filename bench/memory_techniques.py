@@ -32,8 +32,11 @@ TECHNIQUES = {
     "bf16": (1, {"precision": "bf16"}),
     "bf16+checkpointing": (1, {"precision": "bf16", "gradient_checkpointing": True}),
     "lora-r8": (1, {"peft_method": "lora"}),
+    "qlora-r8": (1, {"peft_method": "qlora"}),  # LoRA on a 4-bit NF4 base (bitsandbytes' CPU backend)
+    "qlora-r8+bf16": (1, {"peft_method": "qlora", "precision": "bf16"}),
     "chunked-loss-256": (1, {"loss_chunk_tokens": 256}),  # training.loss_chunk_tokens (workers/chunked_loss.py)
     "fsdp2x2": (2, {"strategy": "fsdp"}),
+    "qlora-r8+fsdp2x2": (2, {"strategy": "fsdp", "peft_method": "qlora"}),  # the packed codes sharded
     "zero2x2": (2, {"strategy": "deepspeed", "ds_stage": 2}),
     "zero3x2": (2, {"strategy": "deepspeed", "ds_stage": 3}),
     "zero3+offloadx2": (2, {"strategy": "deepspeed", "ds_stage": 3, "ds_offload_optimizer": "cpu",

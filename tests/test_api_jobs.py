@@ -61,7 +61,7 @@ def test_several_bad_fields_reported_together(create_job, tenant):
 
 
 def test_cross_field_rules_reported_together(create_job, tenant):
-    r = create_job(tenant, training={"precision": "fp16", "peft": {"method": "qlora"},
+    r = create_job(tenant, training={"precision": "fp16", "strategy": "deepspeed", "peft": {"method": "qlora"},
                                      "deepspeed": {"offload_param": "cpu"}})
     body = assert_problem(r, 422, "invalid_spec", "training.deepspeed.offload_param")
     assert {e["param"] for e in body["errors"]} == {

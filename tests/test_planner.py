@@ -240,3 +240,26 @@ def test_suggestions_propose_a_pipeline_whose_fullest_stage_fits():
                                "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
                                "vocab_size": 256000})  # a family the pipeline workers do not split
     assert not [o for o in suggest(s, gemma, "a100-40gb", limit=20) if o.change.startswith("pipeline")]
+
+
+def test_qlora_7b_holds_an_nf4_base_and_no_16bit_copy_of_it():
+    """QLoRA's base is bitsandbytes' NF4 (service/memory/nf4.py): 0.5 B/param of packed codes plus the
+    double-quantised block constants; embeddings, norms and lm_head fp32 (prepare_model_for_kbit_training).
+    Its 4-bit linears dequantise per call, so autocast keeps no bf16 copy of the base (the old plan did: 2 B/param)."""
+    from service.memory.nf4 import nf4_weight_bytes
+
+    lin = [i * o for i, o in LLAMA2_7B.linear_shapes().values()] * LLAMA2_7B.num_layers
+    q = plan(spec(peft={"method": "qlora", "r": 16}, precision="bf16"), LLAMA2_7B, "a100-40gb")
+    Pt = q.trainable_parameter_count
+    assert Pt == 16 * 8192 * 4 * 32
+    assert q.model_states.device.parameters == sum(map(nf4_weight_bytes, lin)) + 4 * (P7 - sum(lin)) + 4 * Pt
+    # packed codes 0.5 B + a uint8 absmax per 64 + an fp32 absmax per 64·256 (+ per-tensor constants)
+    assert sum(map(nf4_weight_bytes, lin)) == pytest.approx(sum(lin) * (0.5 + 1 / 64 + 4 / (64 * 256)), rel=1e-3)
+    lora32 = plan(spec(peft={"method": "lora", "r": 16}), LLAMA2_7B, "a100-40gb")
+    q32 = plan(spec(peft={"method": "qlora", "r": 16}), LLAMA2_7B, "a100-40gb")
+    # fp32: the 4-bit linears save nothing a frozen fp32 linear would not, so the activations are LoRA's
+    assert q32.activations_saved_bytes == lora32.activations_saved_bytes
+    # bf16 autocast: less than all-fp32 LoRA (the old plan's 2 B/param copy alone was 12 GiB here)
+    assert q.activations_saved_bytes < lora32.activations_saved_bytes < 2 * sum(lin)
+    assert q.fits and q.peak_bytes < 0.6 * plan(spec(peft={"method": "lora", "r": 16}, precision="bf16"),
+                                                  LLAMA2_7B, "a100-40gb").peak_bytes

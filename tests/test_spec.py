@@ -53,7 +53,9 @@ def test_unknown_fields_rejected_at_every_level():
         ({"deepspeed": {"offload_param": "cpu"}}, "training.deepspeed.offload_param"),
         ({"strategy": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_param": "cpu"}}, "training.deepspeed.offload_param"),
         ({"precision": "fp16"}, "training.precision"),
-        ({"peft": {"method": "qlora"}}, "training.peft.method"),
+        ({"strategy": "fsdp", "fsdp": {"cpu_offload": True}, "peft": {"method": "qlora"}}, "training.fsdp.cpu_offload"),
+        ({"strategy": "deepspeed", "peft": {"method": "qlora"}}, "training.peft.method"),
+        ({"strategy": "pipeline", "peft": {"method": "qlora"}, "resources": {"num_workers": 2}}, "training.peft.method"),
         ({"peft": {"method": "prefix_tuning", "merge": True}}, "training.peft.merge"),
         ({"strategy": "pipeline", "pipeline": {"stages": 4}, "resources": {"num_workers": 2}}, "training.pipeline.stages"),
         ({"fsdp": {"cpu_offload": True}}, "training.fsdp.cpu_offload"),
@@ -65,8 +67,27 @@ def test_cross_field_rules(training, param):
 
 
 def test_several_cross_field_problems_at_once():
-    got = problems({**BASE, "training": {"precision": "fp16", "peft": {"method": "qlora"}, "qat": {"enabled": True}}})
+    got = problems({**BASE, "training": {"precision": "fp16", "strategy": "deepspeed", "peft": {"method": "qlora"},
+                                         "qat": {"enabled": True}}})
     assert {p for p, _ in got} == {"training.precision", "training.peft.method", "training.qat.enabled"}
+
+
+def test_qlora_runs_on_cpu_workers_under_ddp():
+    """bitsandbytes has a CPU backend: QLoRA is no longer refused on CPU workers, in fp32 or bf16, on 1 or 2 ranks,
+    under DDP or FSDP2."""
+    for strategy, precision, workers in (("ddp", "fp32", 1), ("ddp", "bf16", 2), ("fsdp", "bf16", 2)):
+        spec = validate_spec({**BASE, "training": {"peft": {"method": "qlora"}, "precision": precision, "strategy": strategy,
+                                                   "resources": {"num_workers": workers}}})
+        assert spec.training.peft.method.value == "qlora" and spec.training.resources.gpus_per_worker == 0
+
+
+def test_qlora_refusals_say_why():
+    for strategy, why in (("deepspeed", "ZeRO"), ("pipeline", "stages")):
+        spec = {**BASE, "training": {"strategy": strategy, "peft": {"method": "qlora"}, "resources": {"num_workers": 2}}}
+        with pytest.raises(SpecError) as e:
+            validate_spec(spec)
+        [problem] = [p for p in e.value.problems if p.param == "training.peft.method"]
+        assert why in problem.message and "use " in problem.message
 
 
 def test_unknown_gpu_named():

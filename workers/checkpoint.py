@@ -247,6 +247,15 @@ def _keyed_by_name(optim_sd: dict, model) -> dict:
 # --- final artifacts ----------------------------------------------------------------------------
 
 
+def quantized_from(args: TrainArgs):
+    """QLoRA: the dtype the worker loaded the base in before quantising it (its regime's compute dtype); else None."""
+    if args.peft_method != "qlora":
+        return None
+    from service.domain.training import regime
+
+    return getattr(torch, regime(args.strategy, args.peft_method, args.precision).compute_dtype)  # "bfloat16" …
+
+
 def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenizer) -> dict[str, str]:
     """Rank 0: rebuild the model on CPU from the base, load the trained state and save it in
     Hugging Face format — the adapter (+ merged model where the method allows) or the full model,
@@ -271,7 +280,8 @@ def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenize
         artifacts["adapter"] = "adapter"
         if args.merges_adapter:
             _publish_folder(out, "merged", lambda d: (
-                merge_adapter(model_dir, out / "adapter", d, attention=args.attention), tokenizer.save_pretrained(d)))
+                merge_adapter(model_dir, out / "adapter", d, attention=args.attention,
+                             quantized_from=quantized_from(args)), tokenizer.save_pretrained(d)))
             artifacts["merged"] = "merged"
     else:
         fresh.load_state_dict(state_dict, strict=True)

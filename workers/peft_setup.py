@@ -37,23 +37,47 @@ def peft_config(method: str, family: str, *, r: int, alpha: float, dropout: floa
     raise ValueError(f"unknown peft method {method!r}")
 
 
-def load_qlora_base(model_dir: str, attention: str):
-    """A 4-bit NF4 base for QLoRA. GPU only in memfit (the spec refuses qlora on CPU workers)."""
+def qlora_quantization(compute_dtype, quant_storage=None):
+    """QLoRA's base as bitsandbytes stores it: NF4 with double quantisation (the absmax of each block of 64
+    weights itself quantised to 8 bits), matmuls in the regime's compute dtype (fp32 or bf16). The packed
+    codes live in a uint8 tensor, or in ``quant_storage`` (the same bytes viewed as that dtype): FSDP2 shards
+    and gathers a unit in one dtype, so under FSDP2 the codes are stored in the dtype it gathers in."""
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("qlora needs a CUDA device; use lora on CPU workers")
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=quant_storage or torch.uint8,
+    )
+
+
+def load_quantized(model_dir: str, attention: str, compute_dtype, quant_storage=None):
+    """The base loaded in 4 bits on this worker's device (the current GPU, else the CPU)."""
+    import bitsandbytes as bnb
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=qlora_quantization(compute_dtype, quant_storage), attn_implementation=attention,
+        device_map=device_map, dtype=compute_dtype,  # weights quantised from the compute dtype, dequantised to it
+    )
+    for m in model.modules():
+        # On CPUs with AVX512-BF16, Linear4bit repacks its weight for inference the first time it runs in eval
+        # mode without grad (bitsandbytes/nn/modules.py Linear4bit.forward), which asserts out_features % 32 == 0
+        # and rewrites the storage mid-training: keep the training layout for evaluation too.
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
+def load_qlora_base(model_dir: str, attention: str, compute_dtype, quant_storage=None):
+    """A 4-bit NF4 base for QLoRA, on GPU or CPU (bitsandbytes >= 0.49 has a CPU backend).
+    ``prepare_model_for_kbit_training`` upcasts every parameter that is not 4-bit (embeddings, norms,
+    lm_head) to fp32, as the planner counts them."""
     from peft import prepare_model_for_kbit_training
 
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, quantization_config=quant, attn_implementation=attention,
-        device_map={"": torch.cuda.current_device()},
-    )
+    model = load_quantized(model_dir, attention, compute_dtype, quant_storage)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
@@ -66,13 +90,22 @@ def apply_peft(model, method: str, *, r=8, alpha=16.0, dropout=0.0, targets="aut
     return peft.get_peft_model(model, cfg)
 
 
-def merge_adapter(base_dir: str, adapter_dir: str | Path, out_dir: str | Path, attention: str = "sdpa") -> Path:
-    """Reload the base in fp32, apply the saved adapter, fold it into the weights and save a full model."""
+def merge_adapter(base_dir: str, adapter_dir: str | Path, out_dir: str | Path, attention: str = "sdpa",
+                  quantized_from=None) -> Path:
+    """Reload the base in fp32, apply the saved adapter, fold it into the weights and save a full model.
+
+    ``quantized_from`` (QLoRA: the torch dtype training loaded the base in before quantising it): the adapter
+    was trained against the NF4 base, so it is folded into that base dequantised, not into the original
+    weights: the merged model computes what the trained adapter model computed (the original weights
+    would differ from it by the 4-bit rounding)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation=attention, dtype=torch.float32)
+    if quantized_from is not None:
+        base = load_quantized(base_dir, attention, quantized_from).dequantize().to("cpu", torch.float32)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation=attention, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out_dir)
     return Path(out_dir)

@@ -118,7 +118,24 @@ def _model_parameters(model) -> list[torch.Tensor]:
     for p in model.parameters():
         ds = getattr(p, "ds_tensor", None)  # ZeRO-3: p.data is empty, the partition is ds_tensor
         params.append(ds if ds is not None else p)
+        params.extend(_quant_state_tensors(getattr(p, "quant_state", None)))
+    for m in model.modules():  # FSDP2 shards the 4-bit weight into a DTensor; Linear4bit keeps the state itself
+        params.extend(_quant_state_tensors(getattr(m, "quant_state", None)))
     return params
+
+
+def _quant_state_tensors(qs) -> list[torch.Tensor]:
+    """A bitsandbytes 4-bit weight (Params4bit: packed uint8 codes, counted as the parameter) keeps its
+    quantisation constants beside it in ``quant_state``: the block absmax, the NF4 code, and with double
+    quantisation the offset and a nested state (absmax of the absmax, the 8-bit code). They are part of
+    the parameter's memory, as service/memory/nf4.py plans it."""
+    if qs is None:
+        return []
+    out = [getattr(qs, k, None) for k in ("absmax", "code", "offset")]
+    nested = getattr(qs, "state2", None)
+    if nested is not None:
+        out += [getattr(nested, "absmax", None), getattr(nested, "code", None)]
+    return [t for t in out if isinstance(t, torch.Tensor)]
 
 
 def _ds_inner(optimizer):

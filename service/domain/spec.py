@@ -613,10 +613,16 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
         bad("fsdp.cpu_offload", "cpu_offload needs strategy 'fsdp'")
     if t.precision == Precision.fp16 and not on_gpu:
         bad("precision", "fp16 needs GPUs (resources.gpus_per_worker > 0); use bf16 on CPU workers")
-    if peft == PeftMethod.qlora and not on_gpu:
-        bad("peft.method", "qlora needs GPUs (resources.gpus_per_worker > 0); use lora on CPU workers")
-    if peft == PeftMethod.qlora and t.strategy in (StrategyName.deepspeed, StrategyName.pipeline):
-        bad("peft.method", "qlora runs with strategy 'ddp' or 'fsdp'")
+    if peft == PeftMethod.qlora and t.strategy == StrategyName.fsdp and t.fsdp.cpu_offload:
+        bad("fsdp.cpu_offload", "qlora with fsdp does not offload: memfit has not run FSDP2's CPU offload on a "
+                                "4-bit base, whose quantisation constants sit outside the parameters FSDP2 moves; "
+                                "set fsdp.cpu_offload to false")
+    if peft == PeftMethod.qlora and t.strategy == StrategyName.deepspeed:
+        bad("peft.method", "qlora runs with strategy 'ddp' or 'fsdp': DeepSpeed's ZeRO flattens parameters into 16/32-bit "
+                           "buffers and cannot hold the 4-bit base (use lora with deepspeed)")
+    if peft == PeftMethod.qlora and t.strategy == StrategyName.pipeline:
+        bad("peft.method", "qlora runs with strategy 'ddp' or 'fsdp': the pipeline strategy's stages are not built for the "
+                           "4-bit base (use lora with pipeline)")
     if peft != PeftMethod.none and peft.value not in MERGEABLE_PEFT and t.peft.merge and "merge" in t.peft.model_fields_set:
         bad("peft.merge", f"{peft.value} adapters cannot be merged into the model; set merge to false")
     if peft in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning) and t.strategy == StrategyName.pipeline:

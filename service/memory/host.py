@@ -177,7 +177,9 @@ def host_plan(spec: JobSpec, plan: Plan, *, base_params: int, trainable: int, la
     step_bytes = (plan.need_bytes - runtime_bytes if not on_gpu else host.total)
     load = 4 * (base_params + (trainable if spec.training.peft.method != PeftMethod.none else 0))
     if spec.training.peft.method == PeftMethod.qlora:
-        load = 0  # loaded quantised, straight onto the GPU (workers/peft_setup.py device_map)
+        # loaded quantised tensor by tensor (workers/peft_setup.py device_map): straight onto the GPU, or on a
+        # CPU worker into the host, where the 4-bit model is what stays
+        load = 0 if on_gpu else plan.model_states.device.parameters
     largest_bytes = largest_numel * 4
     per_rank = {
         "load": runtime_bytes + load,

@@ -62,6 +62,13 @@ from service.domain.training import (
 from service.memory.accuracy import accuracy_margin
 from service.memory import host as host_memory
 from service.memory.gpus import GPU, MiB, get_gpu
+from service.memory.nf4 import (
+    constants_bytes,
+    largest_quantised,
+    packed_bytes,
+    qlora_base_bytes,
+    quantised_numels,
+)
 from service.memory.shape import ModelShape
 
 DEFAULT_HOST_BYTES = 16 * 2**30  # a CPU worker's memory when no host budget is given
@@ -130,7 +137,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
                 padded: bool = False, loss_chunk_tokens: int | None = None,
                 qat: tuple[int, bool] | None = None, ia3_feedforward: frozenset[str] | None = None,
-                prefix_tokens: int = 0) -> Activations:
+                prefix_tokens: int = 0, nf4_base: bool = False, on_gpu: bool = True) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -150,6 +157,14 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     itself keeps nothing (autograd saves a matmul's input only for its weight's gradient).
     ``prefix_tokens``: prefix tuning's virtual tokens, which peft hands every block as past keys and values
     (see the attention term).
+    ``nf4_base``: QLoRA's base linears are bitsandbytes' Linear4bit (service/memory/nf4.py): their matmul
+    (bitsandbytes/autograd/_functions.py MatMul4Bit) saves only the packed weight, which is resident anyway, and
+    dequantises it per call, so autocast caches no 16-bit copy of the base (only of the fp32 adapter, as for
+    ``lora16``); Linear4bit returns its output in its input's dtype, so under autocast the MLP's gate, up and
+    their product stay fp32; in backward, one dequantised weight in the compute dtype at a time. ``on_gpu``:
+    peft's 4-bit LoRA layer (peft/tuners/lora/bnb.py) casts a 16-bit input to the fp32 adapter unless
+    ``torch.is_autocast_enabled()``, which asks about CUDA's autocast only, so on CPU o_proj's adapter gets an
+    fp32 copy of the attention output that autocast casts back to a bf16 copy it keeps (measured).
     """
     T = b * s
     h, qd, kvd, i, V = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.vocab
@@ -177,7 +192,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
         if not regime.casts:
             return 0
         shapes = shape.linear_shapes()
-        if regime.name == "lora16":  # the base is bf16 already; autocast caches bf16 copies of A and B
+        if regime.name == "lora16" or nf4_base:  # no fp32 base weight to cast; autocast caches bf16 copies of A and B
             return sum(2 * r * (shapes[n][0] + shapes[n][1]) for n in names if adapted(n) or adapted(n.split(".")[-1]))
         return sum(2 * shapes[n][0] * shapes[n][1] for n in names)
 
@@ -231,7 +246,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             if not full and regime.casts:
                 pass  # counted by linear_input: each adapted projection's lora_A casts its own copy
             n += lora_extra(attn_in + ["o_proj"])
-            if regime.name == "lora16" and adapted("o_proj") and ia3_feedforward is None:
+            if ((regime.name == "lora16" or (nf4_base and regime.casts and not on_gpu)) and adapted("o_proj")
+                    and ia3_feedforward is None):
                 n += T * qd * 2  # o_proj's adapter: PEFT's fp32 copy of the attention output, cast again (measured)
             # attention: SDPA keeps q, k, v after rotary, its output (= o_proj's input) and the lse
             n += T * qd * a + 2 * T * kvd * a + T * qd * a + b * shape.num_heads * s * 4
@@ -256,7 +272,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             n += T * h * 4 + small + (normalized if full else 0)
             n += linear_input(norm_out, ["gate_proj", "up_proj"], h)
             # MLP: gate, act(gate), up kept by the activation and the product; the product by down_proj
-            n += 3 * T * i * a + (T * i * a if trainable("down_proj") and ia3_feedforward is None else 0)
+            mlp = 4 if nf4_base and regime.casts else a  # Linear4bit hands back fp32 for an fp32 input
+            n += 3 * T * i * mlp + (T * i * a if trainable("down_proj") and ia3_feedforward is None else 0)
             if zero3_linear and not full and in_grad:  # ZeRO-3's linear keeps the frozen MLP's inputs too
                 n += (T * h * a if not any(trainable(c) for c in ("gate_proj", "up_proj")) else 0)
                 n += (T * i * a if not trainable("down_proj") else 0)
@@ -308,6 +325,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
         loss_grad = 3 * c * V * 4 + T * h * res + (V * h * a if full else 0)
     ckpt_layer = T * h * res
     bwd_temp = 2 * T * i * a + 2 * T * h * 4
+    if nf4_base:  # MatMul4Bit.backward dequantises its weight to the compute dtype (quantised from it)
+        bwd_temp += largest_quantised(shape) * a
     return Activations(layer, final, loss_saved, logits, loss_copy, loss_grad, ckpt_layer, bwd_temp)
 
 
@@ -555,9 +574,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     if not qlora:
         base_param_bytes = (P - Pt) * dtype_bytes(rg.frozen_dtype) + Pt * dtype_bytes(rg.trainable_dtype)
     else:
-        base_param_bytes = int((P - Pt - shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)) * 0.5 * 1.03) \
-            + shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) * 2 + Pt * 4
-        assumptions.append("QLoRA: NF4 base (0.5 B/param + double-quantised constants), 16-bit embeddings")
+        base_param_bytes = qlora_base_bytes(shape, dtype_bytes(rg.compute_dtype)) + Pt * 4
+        assumptions.append("QLoRA: NF4 base (0.5 B/param + double-quantised block constants, ~0.516 B/param), "
+                           "embeddings, norms and lm_head upcast to fp32, the adapter in fp32; no 16-bit copy of "
+                           "the base (each 4-bit linear dequantises its weight per call)")
     grad_bytes = dtype_bytes(rg.grad_dtype)
     grads_full = Pt * grad_bytes
     opt = Pt * 2 * dtype_bytes(rg.optimizer_dtype)
@@ -592,13 +612,21 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             comm = grads_full  # DDP's gradient buckets: a second fp32 copy of every trainable gradient
             assumptions.append("DDP keeps gradient buckets (one fp32 copy of the trainable gradients)")
     elif strategy == "fsdp":
-        # FSDP2 keeps one dtype per unit: every shard in the trained weights' (an NF4 base is counted so too)
+        # FSDP2 keeps one dtype per unit: every shard in the trained weights' (QLoRA's packed codes: below)
         dev.parameters = P * dtype_bytes(rg.trainable_dtype) // N
         dev.gradients = grads_full // N
         dev.optimizer_states = opt // N
         unit_bytes = dtype_bytes(rg.compute_dtype)  # a unit is gathered in the compute dtype
         adapter_per_layer = 0 if full else Pt // max(shape.num_layers, 1)
         layer_unsharded = (shape.layer_params() + adapter_per_layer) * unit_bytes
+        if qlora:
+            # the packed 4-bit codes (stored in the compute dtype, workers/peft_setup.py) shard and gather as
+            # bytes; their constants are not parameters and stay whole on every rank (service/memory/nf4.py)
+            quantised = sum(quantised_numels(shape))
+            dev.parameters = (packed_bytes(shape) + (P - quantised) * dtype_bytes(rg.trainable_dtype)) // N \
+                + constants_bytes(shape)
+            layer_quantised = quantised // max(shape.num_layers, 1)
+            layer_unsharded = packed_bytes(shape, 1) + (shape.layer_params() - layer_quantised + adapter_per_layer) * unit_bytes
         root = (shape.parameter_count() - shape.num_layers * shape.layer_params()) * unit_bytes
         if t.fsdp.reshard_after_forward:
             # Every unit, the root included, reshards when its forward ends and re-gathers only when
@@ -691,7 +719,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                           ia3_feedforward=_ia3_feedforward(spec, shape),
                           prefix_tokens=t.peft.num_virtual_tokens if t.peft.method == PeftMethod.prefix_tuning else 0,
                           # prompt tuning's virtual tokens are trainable embeddings: the first block's input needs a gradient
-                          input_grad=t.peft.method == PeftMethod.prompt_tuning)
+                          input_grad=t.peft.method == PeftMethod.prompt_tuning, nf4_base=qlora, on_gpu=on_gpu)
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:

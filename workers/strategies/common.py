@@ -93,7 +93,9 @@ def build_model(args: TrainArgs, model_dir: str):
     """Base model (+ gradient checkpointing, + QAT fake quantization, + PEFT adapter, + the chunked
     loss head), on CPU in fp32, with the frozen base cast where the job's regime holds it in 16 bits."""
     if args.peft_method == "qlora":
-        model = load_qlora_base(model_dir, args.attention)
+        compute = torch_dtype(training_regime(args).compute_dtype)
+        # FSDP2 gathers a unit in the compute dtype: the packed 4-bit codes are stored in it (workers/peft_setup.py)
+        model = load_qlora_base(model_dir, args.attention, compute, compute if args.strategy == "fsdp" else None)
     else:
         model = load_model(model_dir, args.attention)
     # Training never reads a KV cache; left on, GPT-2 keeps a copy of every block's keys and values.
