@@ -7,7 +7,8 @@ the planner's ``activations(...).layer_bytes`` for that block (service/memory/pl
 kilobytes (the vectors IA3 multiplies by). These are the terms the held-out matrix
 found missing (bench/holdout_matrix.py): IA3 keeps its targets' outputs, not their inputs; Qwen3's per-head
 q/k norms keep their input, statistics and (full fine-tune) normalised input; prefix tuning's keys and values
-are s + p long for every head, with a mask; prefix and prompt tuning leave every linear plain and frozen.
+are s + p long for every head, with a mask; prefix and prompt tuning leave every linear plain and frozen;
+LoHa and LoKr keep each target's whole delta weight.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _block_saved_bytes(model, b: int, s: int) -> list[int]:
 
 @pytest.mark.parametrize("preset,peft", [("small-llama", "ia3"), ("small-qwen3", "none"), ("small-qwen3", "lora"),
                                          ("small-qwen3", "ia3"), ("small-llama", "prefix_tuning"),
+                                         ("small-llama", "loha"), ("small-qwen2", "lokr"),
                                          ("small-qwen2", "prompt_tuning")])
 def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft):
     from workers.args import train_args
@@ -77,7 +79,8 @@ def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft):
     p = spec.training.peft.num_virtual_tokens
     act = activations(shape, b, s + (p if peft == "prompt_tuning" else 0), ACTIVATION_SIZES["fp32"],
                       _lora_targets(spec, shape), spec.training.peft.r, ia3_feedforward=_ia3_feedforward(spec, shape),
-                      prefix_tokens=p if peft == "prefix_tuning" else 0, input_grad=peft == "prompt_tuning")
+                      prefix_tokens=p if peft == "prefix_tuning" else 0, input_grad=peft == "prompt_tuning",
+                      lycoris=peft in ("loha", "lokr"))
     middle = 2  # block 0's input needs no gradient under PEFT, block 1 is the first to keep the rotary tables
     tolerance = 8 * 1024  # the vectors IA3 multiplies by, which the planner leaves out (< 2 KiB here)
     assert abs(act.layer_bytes[middle] - measured[middle]) <= tolerance, (act.layer_bytes, measured)

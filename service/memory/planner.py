@@ -137,7 +137,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 attention: str = "sdpa", zero3_linear: bool = False, input_grad: bool = False,
                 padded: bool = False, loss_chunk_tokens: int | None = None,
                 qat: tuple[int, bool] | None = None, ia3_feedforward: frozenset[str] | None = None,
-                prefix_tokens: int = 0, nf4_base: bool = False, on_gpu: bool = True) -> Activations:
+                prefix_tokens: int = 0, nf4_base: bool = False, on_gpu: bool = True,
+                lycoris: bool = False) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -157,6 +158,10 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     itself keeps nothing (autograd saves a matmul's input only for its weight's gradient).
     ``prefix_tokens``: prefix tuning's virtual tokens, which peft hands every block as past keys and values
     (see the attention term).
+    ``lycoris``: LoHa or LoKr. peft builds each target's whole delta weight (loha/layer.py: HadaWeight keeps
+    only its factors; lokr: torch.kron) and runs ``F.linear(x, delta_weight)`` (``_get_delta_activations``),
+    which keeps the out × in delta weight (its compute-dtype copy under autocast) beside the input; there is
+    no low-rank activation (LoRA's lora_A output).
     ``nf4_base``: QLoRA's base linears are bitsandbytes' Linear4bit (service/memory/nf4.py): their matmul
     (bitsandbytes/autograd/_functions.py MatMul4Bit) saves only the packed weight, which is resident anyway, and
     dequantises it per call, so autocast caches no 16-bit copy of the base (only of the fp32 adapter, as for
@@ -199,6 +204,9 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     def lora_extra(names: list[str]) -> int:
         if ia3_feedforward is not None:
             return 0
+        if lycoris:  # each target's delta weight, kept by F.linear (see the docstring)
+            shapes = shape.linear_shapes()
+            return sum(din * dout * a for din, dout in (shapes[n] for n in names if n in shapes and adapted(n)))
         return sum(T * r * a for n in names if adapted(n))  # lora_A output, kept by lora_B
 
     def ia3_saved() -> int:
@@ -447,7 +455,8 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
         trained = held if full else n * adapter_per_block
         frozen = 0 if full else held
         act = activations(replace(shape, num_layers=n), rows, s, sizes, targets, t.peft.r, t.attention,
-                          input_grad=not first, ia3_feedforward=_ia3_feedforward(spec, shape))
+                          input_grad=not first, ia3_feedforward=_ia3_feedforward(spec, shape),
+                          lycoris=t.peft.method in (PeftMethod.loha, PeftMethod.lokr))
         # torch.distributed.pipelining's stage keeps each chunk's output until that chunk's backward
         # (stage.py: fwd_cache, which backward_one_chunk runs autograd from): the residual stream sent on,
         # or on the last stage the logits, which the plain loop frees once the loss has them.
@@ -719,7 +728,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                           ia3_feedforward=_ia3_feedforward(spec, shape),
                           prefix_tokens=t.peft.num_virtual_tokens if t.peft.method == PeftMethod.prefix_tuning else 0,
                           # prompt tuning's virtual tokens are trainable embeddings: the first block's input needs a gradient
-                          input_grad=t.peft.method == PeftMethod.prompt_tuning, nf4_base=qlora, on_gpu=on_gpu)
+                          input_grad=t.peft.method == PeftMethod.prompt_tuning, nf4_base=qlora, on_gpu=on_gpu,
+                          lycoris=t.peft.method in (PeftMethod.loha, PeftMethod.lokr))
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
