@@ -388,6 +388,8 @@ class StageView:
     largest_trainable: int  # elements of the largest tensor the optimizer updates
     saved_bytes: int | None = None  # interleaved_1f1b: the rank's peak over its local stages (else in_flight × act)
     local_blocks: list[range] | None = None  # interleaved_1f1b: the blocks of each model stage the rank holds
+    embedding_grad: int = 0  # first stage, embedding trained: a later chunk's embedding backward's temporaries
+    embedding_saved: int = 0  # the other chunks' activations live at that backward
 
 
 def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | None, Pt: int, b: int,
@@ -434,17 +436,25 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
             act = replace(act, final_bytes=act.final_bytes - ids + act.logits_bytes, logits_bytes=0)
         largest = max(shape.layer_params(), shape.vocab * shape.hidden if (first or last) else 0) if full \
             else max(adapter_numels, default=1)
+        in_flight = in_flight_microbatches(t.pipeline.schedule, stages, k, chunks)
+        # torch's embedding backward (aten::embedding_dense_backward) builds a dense vocab × hidden gradient
+        # and AccumulateGrad adds it into the weight's .grad from an earlier chunk: both live at once, with
+        # every other gradient and the chunks still in flight (a 1F1B stage: all but the one going back).
+        embedding_grad = shape.vocab * shape.hidden * dtype_bytes(rg.trainable_dtype) + rows * s * shape.hidden * 4 \
+            if first and full else 0  # + the gradient it reads (fp32: the first block's input gradient)
         views.append(StageView(
             k, blocks, frozen * dtype_bytes(rg.frozen_dtype) + trained * dtype_bytes(rg.trainable_dtype),
             trained * dtype_bytes(rg.grad_dtype), trained * 2 * dtype_bytes(rg.optimizer_dtype), act,
-            in_flight_microbatches(t.pipeline.schedule, stages, k, chunks), largest))
+            in_flight, largest, embedding_grad=embedding_grad,
+            embedding_saved=(in_flight - 1) * act.saved(t.gradient_checkpointing)))
     if local > 1:
-        return [_rank_view(r, views[r::ranks], interleaved_in_flight(ranks, local, r, chunks), t.gradient_checkpointing)
-                for r in range(ranks)]
+        return [_rank_view(r, views[r::ranks], interleaved_in_flight(ranks, local, r, chunks), t.gradient_checkpointing,
+                           local) for r in range(ranks)]
     return views
 
 
-def _rank_view(rank: int, held: list[StageView], order: list[tuple[int, ...]], checkpointing: bool) -> StageView:
+def _rank_view(rank: int, held: list[StageView], order: list[tuple[int, ...]], checkpointing: bool,
+               local: int) -> StageView:
     """A rank of interleaved_1f1b: its local model stages' states summed; its activations at the peak of
     the schedule's order (service/domain/training.py: interleaved_in_flight), each local stage's chunks
     weighted by that stage's own activations; the loss and backward terms of the stage that has them
@@ -453,10 +463,14 @@ def _rank_view(rank: int, held: list[StageView], order: list[tuple[int, ...]], c
     saved = max(sum(c * a for c, a in zip(counts, per_chunk)) for counts in order)
     act = held[-1].act if held[-1].act.logits_bytes or held[-1].act.loss_saved_bytes else \
         max(held, key=lambda v: v.act.saved(checkpointing)).act
+    # the first local stage's backwards after its first (its embedding's, on rank 0): what stays in flight
+    after = [c for i, c in enumerate(order[1:], 1) if sum(c) < sum(order[i - 1]) and c[0] < order[i - 1][0]][1:]
+    embedding_saved = max((sum(n * a for n, a in zip(c, per_chunk)) for c in after), default=0)
     return StageView(rank, range(held[0].blocks.start, held[-1].blocks.stop),
                      sum(v.parameters for v in held), sum(v.gradients for v in held),
                      sum(v.optimizer_states for v in held), act, max(sum(c) for c in order),
-                     max(v.largest_trainable for v in held), saved, [v.blocks for v in held])
+                     max(v.largest_trainable for v in held), saved, [v.blocks for v in held],
+                     held[0].embedding_grad, embedding_saved)
 
 
 # --- model states --------------------------------------------------------------------------------
@@ -718,6 +732,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                         gathered + loss_gathered + act.logits_bytes + act.loss_copy_bytes),
             "backward": (g_fwd, A_dev, gathered + loss_gathered + act.loss_grad_bytes),
         }
+        if view is not None and view.embedding_grad and (accum > 1 or spec.resolved().pipeline_microbatches > 1):
+            # the first stage's embedding backward after its first chunk's (see pipeline_stages): every
+            # gradient, the chunks still in flight, the dense gradient and the one it reads
+            cands["backward_embedding"] = (g_all, view.embedding_saved, view.embedding_grad)
         if offload_act:  # one block's saved tensors back on the device at a time (or its recomputation)
             cands["backward_layer"] = (g_all, max(act.layer_bytes, default=0),
                                        gathered_layer + act.layer_backward_temp_bytes)
