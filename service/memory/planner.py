@@ -390,6 +390,7 @@ class StageView:
     local_blocks: list[range] | None = None  # interleaved_1f1b: the blocks of each model stage the rank holds
     embedding_grad: int = 0  # first stage, embedding trained: a later chunk's embedding backward's temporaries
     embedding_saved: int = 0  # the other chunks' activations live at that backward
+    sent: int = 0  # a chunk's tensors this stage sends on (output) and back (input gradient)
 
 
 def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | None, Pt: int, b: int,
@@ -446,26 +447,33 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
             k, blocks, frozen * dtype_bytes(rg.frozen_dtype) + trained * dtype_bytes(rg.trainable_dtype),
             trained * dtype_bytes(rg.grad_dtype), trained * 2 * dtype_bytes(rg.optimizer_dtype), act,
             in_flight, largest, embedding_grad=embedding_grad,
-            embedding_saved=(in_flight - 1) * act.saved(t.gradient_checkpointing)))
+            embedding_saved=(in_flight - 1) * act.saved(t.gradient_checkpointing),
+            sent=((not last) + (not first)) * rows * s * shape.hidden * sizes.residual))
     if local > 1:
-        return [_rank_view(r, views[r::ranks], interleaved_in_flight(ranks, local, r, chunks), t.gradient_checkpointing,
-                           local) for r in range(ranks)]
+        return [_rank_view(r, views[r::ranks], interleaved_in_flight(ranks, local, r, chunks), t.gradient_checkpointing)
+                for r in range(ranks)]
     return views
 
 
-def _rank_view(rank: int, held: list[StageView], order: list[tuple[int, ...]], checkpointing: bool,
-               local: int) -> StageView:
+def _rank_view(rank: int, held: list[StageView], order: list[tuple[int, ...]], checkpointing: bool) -> StageView:
     """A rank of interleaved_1f1b: its local model stages' states summed; its activations at the peak of
     the schedule's order (service/domain/training.py: interleaved_in_flight), each local stage's chunks
     weighted by that stage's own activations; the loss and backward terms of the stage that has them
     (the last model stage on the last rank, else the rank's largest)."""
     per_chunk = [v.act.saved(checkpointing) for v in held]
-    saved = max(sum(c * a for c, a in zip(counts, per_chunk)) for counts in order)
+    # + what each chunk whose backward has run sent: _PipelineScheduleRuntime._step_microbatches
+    # (schedules.py) keeps every send's Work, which holds its tensor, in send_ops until step() ends
+    done, live = [0] * len(held), []
+    for i, counts in enumerate(order):
+        prev = order[i - 1] if i else (0,) * len(counts)
+        done = [d + max(0, p - n) for d, p, n in zip(done, prev, counts)]
+        live.append(sum(n * a + d * v.sent for n, a, d, v in zip(counts, per_chunk, done, held)))
+    saved = max(live)
     act = held[-1].act if held[-1].act.logits_bytes or held[-1].act.loss_saved_bytes else \
         max(held, key=lambda v: v.act.saved(checkpointing)).act
     # the first local stage's backwards after its first (its embedding's, on rank 0): what stays in flight
-    after = [c for i, c in enumerate(order[1:], 1) if sum(c) < sum(order[i - 1]) and c[0] < order[i - 1][0]][1:]
-    embedding_saved = max((sum(n * a for n, a in zip(c, per_chunk)) for c in after), default=0)
+    after = [i for i in range(1, len(order)) if order[i][0] < order[i - 1][0]][1:]
+    embedding_saved = max((live[i] for i in after), default=0)
     return StageView(rank, range(held[0].blocks.start, held[-1].blocks.stop),
                      sum(v.parameters for v in held), sum(v.gradients for v in held),
                      sum(v.optimizer_states for v in held), act, max(sum(c) for c in order),
