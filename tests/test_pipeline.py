@@ -174,6 +174,22 @@ def test_the_first_stage_plans_its_embedding_backward_beside_the_accumulated_gra
         assert "backward_embedding" not in _plan(training, stage=stage).phases
 
 
+def test_an_interleaved_rank_keeps_what_each_finished_chunk_sent_until_the_step_ends():
+    """torch's _PipelineScheduleRuntime waits its send Works (which hold the sent tensors) only when
+    step() ends, so a chunk whose backward has run still holds its output and input gradient."""
+    from types import SimpleNamespace
+
+    from service.memory.planner import StageView, _rank_view
+
+    def stage(k: int, per_chunk: int, sent: int) -> StageView:
+        act = SimpleNamespace(saved=lambda checkpointing: per_chunk, logits_bytes=0, loss_saved_bytes=0)
+        return StageView(k, range(k, k + 1), 0, 0, 0, act, 0, 1, sent=sent)
+
+    order = [(1, 0), (1, 1), (1, 0), (0, 0)]  # F stage 0, F stage 1, B stage 1, B stage 0
+    view = _rank_view(0, [stage(0, 10, 1), stage(1, 100, 1000)], order, False)
+    assert view.saved_bytes == 10 + 1000  # not 10 + 100: stage 1's chunk is done but its sends are live
+
+
 def test_a_pipeline_longer_than_the_model_is_refused_by_field():
     from service.domain.errors import SpecInvalid
 
