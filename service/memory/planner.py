@@ -390,7 +390,7 @@ class StageView:
     local_blocks: list[range] | None = None  # interleaved_1f1b: the blocks of each model stage the rank holds
     embedding_grad: int = 0  # first stage, embedding trained: a later chunk's embedding backward's temporaries
     embedding_saved: int = 0  # the other chunks' activations live at that backward
-    sent: int = 0  # a chunk's tensors this stage sends on (output) and back (input gradient)
+    sent: int = 0  # a chunk's output sent on and input gradient sent back (interleaved_1f1b keeps both: _rank_view)
 
 
 def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | None, Pt: int, b: int,
