@@ -152,6 +152,44 @@ def test_gpipe_keeps_every_chunk_and_1f1b_at_most_the_stages():
     assert fullest.peak_bytes == max(_plan(PP, stage=k).peak_bytes for k in (0, 1))
 
 
+def test_the_first_stage_plans_its_embedding_backward_beside_the_accumulated_gradient():
+    """Rank 0's embedding backward after its first chunk (measured on gloo: the peak of its backward):
+    every gradient, the dense vocab × hidden gradient aten::embedding_dense_backward makes beside the
+    .grad it is added into, the gradient it reads, and the one other chunk 1F1B still holds."""
+    from service.domain.model_ref import resolve_model
+    from service.memory.shape import shape_for_model
+
+    shape = shape_for_model(resolve_model("preset:small-llama", ()))
+    first = _plan(PP, stage=0)
+    dev = first.model_states.device
+    rows, seq = 4 // 4, 256  # micro-batch 4 in 4 chunks (the default), seq 256
+    held = dev.parameters + dev.gradients + dev.optimizer_states
+    other_chunk = first.activations_saved_bytes // 2  # 1F1B's stage 0 holds 2 chunks at its peak, 1 then
+    assert first.phases["backward_embedding"] - held == (
+        other_chunk + shape.vocab * shape.hidden * 4 + rows * seq * shape.hidden * 4)
+    # no embedding trained (LoRA), no embedding (stage 1), or no earlier chunk's gradient: no such instant
+    lora = {**PP, "peft": {"method": "lora"}}
+    one = {**PP, "pipeline": {"stages": 2, "microbatches": 1}}
+    for training, stage in ((lora, 0), (PP, 1), (one, 0)):
+        assert "backward_embedding" not in _plan(training, stage=stage).phases
+
+
+def test_an_interleaved_rank_keeps_what_each_finished_chunk_sent_until_the_step_ends():
+    """torch's _PipelineScheduleRuntime waits its send Works (which hold the sent tensors) only when
+    step() ends, so a chunk whose backward has run still holds its output and input gradient."""
+    from types import SimpleNamespace
+
+    from service.memory.planner import StageView, _rank_view
+
+    def stage(k: int, per_chunk: int, sent: int) -> StageView:
+        act = SimpleNamespace(saved=lambda checkpointing: per_chunk, logits_bytes=0, loss_saved_bytes=0)
+        return StageView(k, range(k, k + 1), 0, 0, 0, act, 0, 1, sent=sent)
+
+    order = [(1, 0), (1, 1), (1, 0), (0, 0)]  # F stage 0, F stage 1, B stage 1, B stage 0
+    view = _rank_view(0, [stage(0, 10, 1), stage(1, 100, 1000)], order, False)
+    assert view.saved_bytes == 10 + 1000  # not 10 + 100: stage 1's chunk is done but its sends are live
+
+
 def test_a_pipeline_longer_than_the_model_is_refused_by_field():
     from service.domain.errors import SpecInvalid
 

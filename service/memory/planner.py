@@ -426,6 +426,9 @@ class StageView:
     largest_trainable: int  # elements of the largest tensor the optimizer updates
     saved_bytes: int | None = None  # interleaved_1f1b: the rank's peak over its local stages (else in_flight × act)
     local_blocks: list[range] | None = None  # interleaved_1f1b: the blocks of each model stage the rank holds
+    embedding_grad: int = 0  # first stage, embedding trained: a later chunk's embedding backward's temporaries
+    embedding_saved: int = 0  # the other chunks' activations live at that backward
+    sent: int = 0  # a chunk's output sent on and input gradient sent back (interleaved_1f1b keeps both: _rank_view)
 
 
 def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | None, Pt: int, b: int,
@@ -473,10 +476,18 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
             act = replace(act, final_bytes=act.final_bytes - ids + act.logits_bytes, logits_bytes=0)
         largest = max(shape.layer_params(), shape.vocab * shape.hidden if (first or last) else 0) if full \
             else max(adapter_numels, default=1)
+        in_flight = in_flight_microbatches(t.pipeline.schedule, stages, k, chunks)
+        # torch's embedding backward (aten::embedding_dense_backward) builds a dense vocab × hidden gradient
+        # and AccumulateGrad adds it into the weight's .grad from an earlier chunk: both live at once, with
+        # every other gradient and the chunks still in flight (a 1F1B stage: all but the one going back).
+        embedding_grad = shape.vocab * shape.hidden * dtype_bytes(rg.trainable_dtype) + rows * s * shape.hidden * 4 \
+            if first and full else 0  # + the gradient it reads (fp32: the first block's input gradient)
         views.append(StageView(
             k, blocks, frozen * dtype_bytes(rg.frozen_dtype) + trained * dtype_bytes(rg.trainable_dtype),
             trained * dtype_bytes(rg.grad_dtype), trained * 2 * dtype_bytes(rg.optimizer_dtype), act,
-            in_flight_microbatches(t.pipeline.schedule, stages, k, chunks), largest))
+            in_flight, largest, embedding_grad=embedding_grad,
+            embedding_saved=(in_flight - 1) * act.saved(t.gradient_checkpointing),
+            sent=((not last) + (not first)) * rows * s * shape.hidden * sizes.residual))
     if local > 1:
         return [_rank_view(r, views[r::ranks], interleaved_in_flight(ranks, local, r, chunks), t.gradient_checkpointing)
                 for r in range(ranks)]
@@ -489,13 +500,24 @@ def _rank_view(rank: int, held: list[StageView], order: list[tuple[int, ...]], c
     weighted by that stage's own activations; the loss and backward terms of the stage that has them
     (the last model stage on the last rank, else the rank's largest)."""
     per_chunk = [v.act.saved(checkpointing) for v in held]
-    saved = max(sum(c * a for c, a in zip(counts, per_chunk)) for counts in order)
+    # + what each chunk whose backward has run sent: _PipelineScheduleRuntime._step_microbatches
+    # (schedules.py) keeps every send's Work, which holds its tensor, in send_ops until step() ends
+    done, live = [0] * len(held), []
+    for i, counts in enumerate(order):
+        prev = order[i - 1] if i else (0,) * len(counts)
+        done = [d + max(0, p - n) for d, p, n in zip(done, prev, counts)]
+        live.append(sum(n * a + d * v.sent for n, a, d, v in zip(counts, per_chunk, done, held)))
+    saved = max(live)
     act = held[-1].act if held[-1].act.logits_bytes or held[-1].act.loss_saved_bytes else \
         max(held, key=lambda v: v.act.saved(checkpointing)).act
+    # the first local stage's backwards after its first (its embedding's, on rank 0): what stays in flight
+    after = [i for i in range(1, len(order)) if order[i][0] < order[i - 1][0]][1:]
+    embedding_saved = max((live[i] for i in after), default=0)
     return StageView(rank, range(held[0].blocks.start, held[-1].blocks.stop),
                      sum(v.parameters for v in held), sum(v.gradients for v in held),
                      sum(v.optimizer_states for v in held), act, max(sum(c) for c in order),
-                     max(v.largest_trainable for v in held), saved, [v.blocks for v in held])
+                     max(v.largest_trainable for v in held), saved, [v.blocks for v in held],
+                     held[0].embedding_grad, embedding_saved)
 
 
 # --- model states --------------------------------------------------------------------------------
@@ -770,6 +792,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                         gathered + loss_gathered + act.logits_bytes + act.loss_copy_bytes),
             "backward": (g_fwd, A_dev, gathered + loss_gathered + act.loss_grad_bytes),
         }
+        if view is not None and view.embedding_grad and (accum > 1 or spec.resolved().pipeline_microbatches > 1):
+            # the first stage's embedding backward after its first chunk's (see pipeline_stages): every
+            # gradient, the chunks still in flight, the dense gradient and the one it reads
+            cands["backward_embedding"] = (g_all, view.embedding_saved, view.embedding_grad)
         if offload_act:  # one block's saved tensors back on the device at a time (or its recomputation)
             cands["backward_layer"] = (g_all, max(act.layer_bytes, default=0),
                                        gathered_layer + act.layer_backward_temp_bytes)
