@@ -147,3 +147,10 @@ def test_export_is_one_folder_with_the_trained_logits(tmp_path, run_local):
     with torch.no_grad():  # ... far below what the training changed
         base = AutoModelForCausalLM.from_pretrained(resolve_model_dir("preset:tiny-llama", None))(ids).logits
     assert (got - base).abs().max() > 100 * (got - want).abs().max()
+
+
+def test_two_replicas_of_a_two_way_split_match_ddp_on_two_ranks(tmp_path, run_local):
+    """A 2 × 2 mesh (dp × tp): FSDP2 over the replicas of each rank's share, as DDP's two ranks."""
+    ddp = _losses(run_local(_args(tmp_path / "ddp", micro_batch_size=2), world_size=2))
+    tp = _losses(run_local(_tensor(tmp_path / "tp", micro_batch_size=2, tensor_parallel_size=2), world_size=4))
+    assert tp == pytest.approx(ddp, rel=1e-5)

@@ -157,24 +157,28 @@ def reduce_partial_grads(model, tp: TPMesh) -> None:
 
 
 def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """The global L2 norm of the gradients: a DTensor's local squares summed over every mesh dimension
-    it is sharded on, a replicated gradient's counted once."""
+    """The global L2 norm of the gradients: a DTensor's local squares summed over the process group of
+    every mesh dimension it is sharded on, a replicated gradient's counted once. Squares are bucketed
+    by those groups' ranks (the same keys, in the same order, on every rank: mesh objects are not)."""
     buckets: dict[tuple, torch.Tensor] = {}
-    meshes: dict[tuple, object] = {}
+    groups: dict[tuple, list] = {}
     for p in params:
         g = p.grad
         if hasattr(g, "to_local"):
-            key = (id(g.device_mesh), tuple(i for i, pl in enumerate(g.placements) if pl.is_shard()))
-            meshes[key] = g.device_mesh
+            # FSDP2 over a tp-sharded dim places _StridedShard, whose is_shard() is False: "not replicated"
+            pgs = [g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if not pl.is_replicate()]
+            key = tuple(tuple(dist.get_process_group_ranks(pg)) for pg in pgs)
+            groups[key] = pgs
             local = g.to_local()
         else:
-            key, local = (0, ()), g
+            key, local = (), g
         sq = torch.linalg.vector_norm(local.float()).double() ** 2
         buckets[key] = buckets.get(key, torch.zeros((), dtype=torch.float64, device=local.device)) + sq
     total = torch.zeros((), dtype=torch.float64)
-    for key, sq in buckets.items():
-        for dim in key[1]:
-            dist.all_reduce(sq, group=meshes[key].get_group(dim))
+    for key in sorted(buckets):
+        sq = buckets[key]
+        for pg in groups.get(key, []):
+            dist.all_reduce(sq, group=pg)
         total = total + sq.cpu()
     return total.sqrt().float()
 
