@@ -5,6 +5,8 @@
     .venv/bin/python bench/memory_accuracy.py --save m.json      # keep the measurements
     .venv/bin/python bench/memory_accuracy.py --load m.json      # re-predict without re-measuring
     .venv/bin/python bench/memory_accuracy.py --chunked          # the chunked cross-entropy configs (10)
+    .venv/bin/python bench/memory_accuracy.py --filter tp2       # tensor parallel over 2 ranks (32 configs)
+    .venv/bin/python bench/memory_accuracy.py --mesh             # dp2tp2: FSDP2 × TP on 4 ranks (4 configs)
 
 Each config trains a random-init preset (small-llama, small-qwen2: hidden 256, 4 layers, vocab
 8000) for 3 optimizer steps with the workers' own setup code (workers/strategies/: build_model,
@@ -36,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MiB = 2**20
-STRATEGIES = ("ddp1", "fsdp2", "zero2", "zero3", "zero3_offload", "pp2")
+STRATEGIES = ("ddp1", "fsdp2", "zero2", "zero3", "zero3_offload", "pp2", "tp2")
 CATS = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
 STATES = ("parameters", "gradients", "optimizer_states")
 # FSDP2 over gloo frees some unit buffers on gloo's threads, so a step's peak varies by up to a
@@ -58,7 +60,9 @@ class Case:
 
     @property
     def world(self) -> int:
-        return 1 if self.strategy == "ddp1" else 2  # pp2: two pipeline stages
+        if self.strategy == "dp2tp2":  # two replicas (FSDP2) of a two-way tensor-parallel split
+            return 4
+        return 1 if self.strategy == "ddp1" else 2  # pp2: two pipeline stages; tp2: two tensor-parallel ranks
 
     @property
     def name(self) -> str:
@@ -82,6 +86,8 @@ class Case:
             training["peft"] = {"method": "lora", "r": 8}
         if strategy == "pipeline":
             training["pipeline"] = {"stages": 2, "schedule": "1f1b"}
+        if strategy == "tensor":
+            training["tensor_parallel"] = {"size": 2}
         if strategy == "deepspeed":
             ds = {"zero_stage": 2 if self.strategy == "zero2" else 3}
             if self.strategy == "zero3_offload":
@@ -91,7 +97,7 @@ class Case:
 
 
 FAMILIES = ("small-llama", "small-qwen2")
-_STRATEGY = {"ddp1": "ddp", "fsdp2": "fsdp", "pp2": "pipeline"}  # the bench's names → the spec's
+_STRATEGY = {"ddp1": "ddp", "fsdp2": "fsdp", "pp2": "pipeline", "tp2": "tensor", "dp2tp2": "tensor"}  # the bench's names → the spec's
 
 
 def chunked_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
@@ -102,6 +108,12 @@ def chunked_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
             for p, pr, c, st in (("none", "fp32", False, "ddp1"), ("none", "bf16", False, "ddp1"),
                                  ("lora", "bf16", True, "ddp1"), ("none", "bf16", False, "fsdp2"),
                                  ("lora", "fp32", False, "zero3"))]
+
+
+def mesh_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
+    """dp2tp2 (4 ranks: FSDP2 over two replicas of a two-way tensor-parallel split) at seq 128, full
+    fine-tune and LoRA in fp32, the peaks of steps 3-5 as for FSDP2."""
+    return [Case(f, 128, p, "fp32", False, "dp2tp2", steps=FSDP2_STEPS) for f in families for p in ("none", "lora")]
 
 
 def matrix(quick: bool, families: tuple[str, ...] = FAMILIES) -> list[Case]:
@@ -185,6 +197,15 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
         pp = make_pipeline(model, mesh, "1f1b", args.pipeline_microbatches, device)
         offload = {"optimizer": "none", "param": "none"}
         tel_model = model
+    elif case.strategy in ("tp2", "dp2tp2"):  # workers/strategies/tensor.py's setup
+        from workers.strategies.tensor import make_mesh, parallelize
+
+        dist.init_process_group("gloo", rank=rank, world_size=case.world)
+        amp = autocast_dtype(training_regime(args))
+        model = parallelize(model, make_mesh(case.world, rank, 2, device), device, amp is not None)
+        optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
+        offload = {"optimizer": "none", "param": "none"}
+        tel_model = model
     elif case.strategy == "ddp1":
         model = model.to(device)
         optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
@@ -228,6 +249,12 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
             from workers.strategies.pipeline import pipeline_step
 
             pipeline_step(pp, _batches(case, vocab, step, 0), optimizer, scheduler, args.max_grad_norm, device, tel)
+        elif case.strategy in ("tp2", "dp2tp2"):  # a replica's two ranks read the same rows
+            from workers.strategies.tensor import clip_and_step
+
+            W.accumulate_gradients(model, _batches(case, vocab, step, rank // 2), device=device, world_size=case.world,
+                                   amp_dtype=amp, tel=tel)
+            clip_and_step(model, optimizer, scheduler, args.max_grad_norm)
         elif engine is None:
             W.accumulate_gradients(model, _batches(case, vocab, step, rank), device=device, world_size=case.world,
                                    amp_dtype=amp, tel=tel)
@@ -578,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", help="also write the per-config table as Markdown to this file")
     ap.add_argument("--chunked", action="store_true",
                     help="the chunked cross-entropy configs (training.loss_chunk_tokens) instead of the matrix")
+    ap.add_argument("--mesh", action="store_true", help="the dp2tp2 configs (4 ranks) instead of the matrix")
     ap.add_argument("--families", default=",".join(FAMILIES),
                     help="comma-separated presets for the matrix (small-gpt2 and small-gemma exist too)")
     a = ap.parse_args(argv)
@@ -587,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cases = chunked_matrix(tuple(a.families.split(","))) if a.chunked else matrix(a.quick, tuple(a.families.split(",")))
+    if a.mesh:
+        cases = mesh_matrix(tuple(a.families.split(",")))
     if a.load and a.loaded_only:
         cases = []
         for path in a.load.split(","):

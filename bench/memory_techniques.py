@@ -38,6 +38,7 @@ TECHNIQUES = {
     "zero3x2": (2, {"strategy": "deepspeed", "ds_stage": 3}),
     "zero3+offloadx2": (2, {"strategy": "deepspeed", "ds_stage": 3, "ds_offload_optimizer": "cpu",
                             "ds_offload_param": "cpu"}),
+    "tp2": (2, {"strategy": "tensor"}),  # workers/strategies/tensor.py: half of every block's heads and MLP columns
 }
 
 

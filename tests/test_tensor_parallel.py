@@ -41,6 +41,31 @@ def test_a_model_whose_heads_the_ranks_cannot_share_is_refused_by_field():
     assert exc.value.param == "training.tensor_parallel.size" and "gpt2" in str(exc.value)
 
 
+def test_each_rank_holds_its_share_of_every_block_and_the_rest_whole():
+    """small-llama over 2 ranks: q/k/v/o/gate/up/down halved, embeddings, norms and LM head whole; the
+    optimizer's two moments of what each rank trains; the plan still names the whole model's counts."""
+    from service.domain.model_ref import resolve_model
+    from service.memory.shape import shape_for_model
+
+    shape = shape_for_model(resolve_model("preset:small-llama", ()))
+    h, i, q, kv, L = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, shape.num_layers
+    split = L * (h * q + 2 * h * kv + q * h + 3 * h * i)
+    whole = shape.parameter_count() - split
+    tp = _plan(TP)
+    assert tp.parameter_count == shape.parameter_count()
+    assert tp.model_states.device.parameters == (split // 2 + whole) * 4
+    assert tp.model_states.device.optimizer_states == 2 * tp.model_states.device.gradients == 2 * (split // 2 + whole) * 4
+    # LoRA on the attention: lora_A whole and lora_B halved on q/k/v, lora_A halved and lora_B whole on o
+    lora = _plan({**TP, "peft": {"method": "lora", "r": 8}})
+    r = 8
+    adapter = L * r * ((h + q // 2) + 2 * (h + kv // 2) + (q // 2 + h))
+    assert lora.trainable_parameter_count == L * r * ((h + q) + 2 * (h + kv) + (q + h))
+    assert lora.model_states.device.gradients == adapter * 4
+    # 1/2 of the heads and columns: the attention's and the MLP's activations shrink, the residual stream's not
+    ddp = _plan({**TP, "strategy": "ddp", "resources": {"num_workers": 1}})
+    assert ddp.activations_saved_bytes / 2 < tp.activations_saved_bytes < ddp.activations_saved_bytes
+
+
 # --- the worker on gloo processes -------------------------------------------------------------------
 
 

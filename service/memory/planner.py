@@ -60,7 +60,7 @@ from service.memory.accuracy import accuracy_margin
 from service.memory import host as host_memory
 from service.memory.gpus import GPU, MiB, get_gpu
 from service.memory.shape import ModelShape
-from service.memory.tensor_parallel import check_tensor, rank_shape, rowwise_reduce_bytes
+from service.memory.tensor_parallel import check_tensor, rank_shape
 
 DEFAULT_HOST_BYTES = 16 * 2**30  # a CPU worker's memory when no host budget is given
 CPU_RUNTIME_BYTES = 600 * MiB  # RSS of a torch + transformers worker process before any tensor (measured)
@@ -413,6 +413,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     if t.strategy == StrategyName.tensor:  # one rank of a tensor-parallel group: a model of 1/size the heads and columns
         tp = check_tensor(spec, shape)
         shape, N = rank_shape(shape, tp), N // tp
+        assumptions_tp = [f"tensor parallel: {tp} ranks each hold 1/{tp} of every block's heads and MLP columns and "
+                          f"the embeddings, norms and LM head whole; {N} data-parallel replica(s)"
+                          + (" sharded by FSDP2" if N > 1 else "")]
     Pt = trainable_parameters(spec, shape)
     # PEFT adds its adapter to the frozen base: the model holds both.
     P = shape.parameter_count() + (Pt if t.peft.method != PeftMethod.none else 0)
@@ -666,8 +669,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         assumptions.append(f"plus the planner's measured under-prediction for this strategy, {accuracy:.2%} of the "
                            f"peak ({accuracy_source})")
     if model_shape is not shape:  # tensor: the bytes are one rank's, the counts the whole model's
-        shape, Pt = model_shape, trainable_parameters(spec, model_shape)
+        shape, Pt, N = model_shape, trainable_parameters(spec, model_shape), N * tp
         P = shape.parameter_count() + (Pt if not full else 0)
+        assumptions += assumptions_tp
     result = Plan(
         fits=fits, parameter_count=P, trainable_parameter_count=Pt, world_size=N, gpu=g.name if g else None,
         capacity_bytes=capacity, usable_bytes=usable, safety_margin=safety_margin,

@@ -39,9 +39,3 @@ def rank_shape(shape: ModelShape, size: int) -> ModelShape:
     return replace(shape, num_heads=shape.num_heads // size, num_kv_heads=shape.num_kv_heads // size,
                    intermediate=shape.intermediate // size)
 
-
-def rowwise_reduce_bytes(shape: ModelShape, b: int, s: int, compute_bytes: int) -> int:
-    """The temporary of a row-wise layer's output: its partial sum (rows × hidden, in the compute dtype)
-    is all-reduced into a new tensor (DTensor's Partial → Replicate redistribution runs a functional
-    all_reduce, which returns a fresh buffer) while the partial one is still referenced."""
-    return b * s * shape.hidden * compute_bytes
