@@ -179,3 +179,24 @@ def test_two_replicas_of_a_two_way_split_match_ddp_on_two_ranks(tmp_path, run_lo
     ddp = _losses(run_local(_args(tmp_path / "ddp", micro_batch_size=2), world_size=2))
     tp = _losses(run_local(_tensor(tmp_path / "tp", micro_batch_size=2, tensor_parallel_size=2), world_size=4))
     assert tp == pytest.approx(ddp, rel=1e-5)
+
+
+def test_a_two_by_two_mesh_resumes_and_exports(tmp_path, run_local):
+    """FSDP2 × TP: the DCP checkpoint of a 2 × 2 mesh resumes with the uninterrupted run's losses, and
+    the gathered export loads with the logits of the same training on one process's DDP twin."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(micro_batch_size=2, tensor_parallel_size=2, max_steps=4)
+    full = _losses(run_local(_tensor(tmp_path / "full", **kw), world_size=4))
+    run_local(_tensor(tmp_path / "first", checkpoint_every_steps=2, **kw), world_size=4)
+    resumed = run_local(_tensor(tmp_path / "resumed", **kw), world_size=4,
+                        resume_dir=str(tmp_path / "first" / "checkpoints" / "step-2"))
+    steps = {r["step"]: r["loss"] for r in resumed[0]["reports"] if r.get("kind") == "metrics"}
+    assert [steps[s] for s in (3, 4)] == pytest.approx(full[2:], rel=1e-5)
+    run_local(_args(tmp_path / "ddp", micro_batch_size=2), world_size=2)
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp" / "model")(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "model")(ids).logits
+    assert torch.allclose(got, want, atol=1e-3)
