@@ -277,6 +277,21 @@ def test_tensor_parallel_lora_job_over_http_succeeds_and_exports_one_model(stack
     assert torch.allclose(got, want, atol=1e-4)
 
 
+def test_fsdp_by_tensor_parallel_job_on_four_workers_succeeds(stack):
+    """A 2 × 2 mesh over four Ray Train workers (the session's head has 8 CPUs): two FSDP2 replicas of a
+    two-way tensor-parallel split; every rank steps, the loss falls, the model exports whole."""
+    job_id = stack.create(strategy="tensor", tensor_parallel={"size": 2}, resources={"num_workers": 4},
+                          hyperparameters={"max_steps": 4}, checkpoint_every_steps=4)
+    job = stack.wait(job_id, ("succeeded",))
+    assert all(stack.metrics_steps(job_id, rank) == [1, 2, 3, 4] for rank in range(4))
+    losses = [e["data"]["train_loss"] for e in stack.events(job_id) if e["type"] == "metrics" and e["data"]["rank"] == 0]
+    assert losses[-1] < losses[0]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(stack.artifacts(job)["model"])
+    assert model.config.num_attention_heads == 4
+
+
 def test_cancel_a_queued_job_it_never_runs(stack):
     stack.stop_scheduler()
     try:

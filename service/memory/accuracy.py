@@ -39,6 +39,9 @@ MARGINS: dict[str, Measured] = {
                                       "llama/qwen2 and gpt2/gemma grids: worst −2.42%"),
     # pp2 was measured on its own; the README gives its max |error| (1.66%), taken whole as the margin.
     "pp2": Measured(0.0166, "bench/memory_accuracy.py --filter pp2 (32 configs): max |error| 1.66%"),
+    # tp2 (strategy tensor, size 2, one replica): bench/memory_accuracy.py --filter tp2 (32 configs, both
+    # families), worst −1.10% (small-llama s512 fp32, rank 1 only: 4 MiB more than rank 0 in every phase).
+    "tp2": Measured(0.0110, "bench/memory_accuracy.py --filter tp2 (32 configs): worst −1.10%"),
 }
 
 
@@ -52,6 +55,8 @@ def matrix_key(spec: JobSpec) -> str | None:
         return "fsdp2" if t.fsdp.reshard_after_forward and not t.fsdp.cpu_offload else None
     if t.strategy == StrategyName.pipeline:
         return "pp2"
+    if t.strategy == StrategyName.tensor:
+        return "tp2" if (t.tensor_parallel.size or n) == 2 == n else None
     if t.strategy == StrategyName.deepspeed:
         ds = t.deepspeed
         offloads = (ds.offload_optimizer == "cpu", ds.offload_param == "cpu")
