@@ -138,9 +138,11 @@ def parallelize(model, tp: TPMesh, device: torch.device, amp: bool):
     if tp.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
+        # reshard_after_forward=True on the root too (fully_shard's default keeps the root gathered after
+        # forward), as workers/strategies/fsdp.py does and the planner's FSDP2 terms assume
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=tp.dp_mesh)
-        fully_shard(model, mesh=tp.dp_mesh)
+            fully_shard(layer, mesh=tp.dp_mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=tp.dp_mesh, reshard_after_forward=True)
     return model
 
 
