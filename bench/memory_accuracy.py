@@ -6,6 +6,8 @@
     .venv/bin/python bench/memory_accuracy.py --load m.json      # re-predict without re-measuring
     .venv/bin/python bench/memory_accuracy.py --chunked          # the chunked cross-entropy configs (10)
     .venv/bin/python bench/memory_accuracy.py --qlora            # QLoRA on a 4-bit base under DDP and FSDP2 (12)
+    .venv/bin/python bench/memory_accuracy.py --filter tp2       # tensor parallel over 2 ranks (32 configs)
+    .venv/bin/python bench/memory_accuracy.py --mesh             # dp2tp2: FSDP2 × TP on 4 ranks (4 configs)
 
 Each config trains a random-init preset (small-llama, small-qwen2: hidden 256, 4 layers, vocab
 8000) for 3 optimizer steps with the workers' own setup code (workers/strategies/: build_model,
@@ -37,7 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MiB = 2**20
-STRATEGIES = ("ddp1", "fsdp2", "zero2", "zero3", "zero3_offload", "pp2", "pp2i")
+STRATEGIES = ("ddp1", "fsdp2", "zero2", "zero3", "zero3_offload", "pp2", "pp2i", "tp2")
 PIPELINES = ("pp2", "pp2i")  # pp2i: interleaved 1F1B, two model stages per rank (blocks 0, 2 | 1, 3)
 CATS = ("parameters", "gradients", "optimizer_states", "activations", "temporary")
 STATES = ("parameters", "gradients", "optimizer_states")
@@ -60,7 +62,9 @@ class Case:
 
     @property
     def world(self) -> int:
-        return 1 if self.strategy == "ddp1" else 2  # pp2, pp2i: two pipeline ranks
+        if self.strategy == "dp2tp2":  # two replicas (FSDP2) of a two-way tensor-parallel split
+            return 4
+        return 1 if self.strategy == "ddp1" else 2  # pp2, pp2i: two pipeline ranks; tp2: two tensor-parallel ranks
 
     @property
     def name(self) -> str:
@@ -85,6 +89,8 @@ class Case:
         if strategy == "pipeline":
             training["pipeline"] = ({"stages": 2, "schedule": "1f1b"} if self.strategy == "pp2" else
                                     {"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2})
+        if strategy == "tensor":
+            training["tensor_parallel"] = {"size": 2}
         if strategy == "deepspeed":
             ds = {"zero_stage": 2 if self.strategy == "zero2" else 3}
             if self.strategy == "zero3_offload":
@@ -94,7 +100,8 @@ class Case:
 
 
 FAMILIES = ("small-llama", "small-qwen2")
-_STRATEGY = {"ddp1": "ddp", "fsdp2": "fsdp", "pp2": "pipeline", "pp2i": "pipeline"}  # the bench's names → the spec's
+_STRATEGY = {"ddp1": "ddp", "fsdp2": "fsdp", "pp2": "pipeline", "pp2i": "pipeline", "tp2": "tensor",
+             "dp2tp2": "tensor"}  # the bench's names → the spec's
 
 
 def chunked_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
@@ -114,6 +121,12 @@ def qlora_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
            for s, pr, c in ((512, "fp32", False), (512, "bf16", False), (512, "bf16", True), (128, "fp32", True))]
     return ddp + [Case(f, s, "qlora", pr, c, "fsdp2", steps=FSDP2_STEPS) for f in families
                   for s, pr, c in ((512, "fp32", False), (256, "bf16", True))]
+
+
+def mesh_matrix(families: tuple[str, ...] = FAMILIES) -> list[Case]:
+    """dp2tp2 (4 ranks: FSDP2 over two replicas of a two-way tensor-parallel split) at seq 128, full
+    fine-tune and LoRA in fp32, the peaks of steps 3-5 as for FSDP2."""
+    return [Case(f, 128, p, "fp32", False, "dp2tp2", steps=FSDP2_STEPS) for f in families for p in ("none", "lora")]
 
 
 def matrix(quick: bool, families: tuple[str, ...] = FAMILIES) -> list[Case]:
@@ -198,6 +211,15 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
         pp = make_pipeline(model, mesh, "1f1b", args.pipeline_microbatches, device)
         offload = {"optimizer": "none", "param": "none"}
         tel_model = model
+    elif case.strategy in ("tp2", "dp2tp2"):  # workers/strategies/tensor.py's setup
+        from workers.strategies.tensor import make_mesh, parallelize
+
+        dist.init_process_group("gloo", rank=rank, world_size=case.world)
+        amp = autocast_dtype(training_regime(args))
+        model = parallelize(model, make_mesh(case.world, rank, 2, device), device, amp is not None)
+        optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
+        offload = {"optimizer": "none", "param": "none"}
+        tel_model = model
     elif case.strategy == "ddp1":
         model = model.to(device)
         optimizer = W.make_optimizer(model, args.learning_rate, args.weight_decay)
@@ -241,6 +263,12 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
             from workers.strategies.pipeline import pipeline_step
 
             pipeline_step(pp, _batches(case, vocab, step, 0), optimizer, scheduler, args.max_grad_norm, device, tel)
+        elif case.strategy in ("tp2", "dp2tp2"):  # a replica's two ranks read the same rows
+            from workers.strategies.tensor import clip_and_step
+
+            W.accumulate_gradients(model, _batches(case, vocab, step, rank // 2), device=device, world_size=case.world,
+                                   amp_dtype=amp, tel=tel)
+            clip_and_step(model, optimizer, scheduler, args.max_grad_norm)
         elif engine is None:
             W.accumulate_gradients(model, _batches(case, vocab, step, rank), device=device, world_size=case.world,
                                    amp_dtype=amp, tel=tel)
@@ -592,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunked", action="store_true",
                     help="the chunked cross-entropy configs (training.loss_chunk_tokens) instead of the matrix")
     ap.add_argument("--qlora", action="store_true", help="the QLoRA configs (12) instead of the matrix")
+    ap.add_argument("--mesh", action="store_true", help="the dp2tp2 configs (4 ranks) instead of the matrix")
     ap.add_argument("--families", default=",".join(FAMILIES),
                     help="comma-separated presets for the matrix (small-gpt2 and small-gemma exist too)")
     a = ap.parse_args(argv)
@@ -602,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     families = tuple(a.families.split(","))
     cases = (chunked_matrix(families) if a.chunked else qlora_matrix(families) if a.qlora
-             else matrix(a.quick, families))
+             else mesh_matrix(families) if a.mesh else matrix(a.quick, families))
     if a.load and a.loaded_only:
         cases = []
         for path in a.load.split(","):

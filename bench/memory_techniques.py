@@ -46,6 +46,7 @@ TECHNIQUES = {
                             "pipeline_microbatches": 2}),
     "pipeline-gpipex2": (2, {"strategy": "pipeline", "pipeline_stages": 2, "pipeline_schedule": "gpipe",
                              "pipeline_microbatches": 2}),
+    "tp2": (2, {"strategy": "tensor"}),  # workers/strategies/tensor.py: half of every block's heads and MLP columns
 }
 
 

@@ -252,6 +252,46 @@ def test_pipeline_job_over_http_survives_a_killed_stage_and_exports_one_model(st
     assert merged.config.num_hidden_layers == 2
 
 
+def test_tensor_parallel_lora_job_over_http_succeeds_and_exports_one_model(stack):
+    """Two Ray Train workers each holding half of every block's heads and MLP columns (LoRA split with
+    its base layers): the job succeeds, its loss falls, its checkpoint is DCP shards, and the merged
+    model from_pretrained loads gives the logits of the base with the exported adapter."""
+    job_id = stack.create(strategy="tensor", peft={"method": "lora", "r": 8}, hyperparameters={"max_steps": 6})
+    job = stack.wait(job_id, ("succeeded",))
+    assert stack.metrics_steps(job_id, 0) == stack.metrics_steps(job_id, 1) == [1, 2, 3, 4, 5, 6]
+    events = stack.events(job_id)
+    losses = [e["data"]["train_loss"] for e in events if e["type"] == "metrics" and e["data"]["rank"] == 0]
+    assert losses[-1] < losses[0]
+    ckpt = stack.http.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=stack.auth).json()["data"][0]
+    assert Path(ckpt["fine_tuned_model_checkpoint"], "dcp", ".metadata").is_file()
+    import torch
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = stack.artifacts(job)["adapter"]
+    base = AutoModelForCausalLM.from_pretrained(PeftConfig.from_pretrained(adapter).base_model_name_or_path)
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(base, adapter)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(stack.artifacts(job)["merged"])(ids).logits
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_fsdp_by_tensor_parallel_job_on_four_workers_succeeds(stack):
+    """A 2 × 2 mesh over four Ray Train workers (the session's head has 8 CPUs): two FSDP2 replicas of a
+    two-way tensor-parallel split; every rank steps, the loss falls, the model exports whole."""
+    job_id = stack.create(strategy="tensor", tensor_parallel={"size": 2}, resources={"num_workers": 4},
+                          hyperparameters={"max_steps": 4}, checkpoint_every_steps=4)
+    job = stack.wait(job_id, ("succeeded",))
+    assert all(stack.metrics_steps(job_id, rank) == [1, 2, 3, 4] for rank in range(4))
+    losses = [e["data"]["train_loss"] for e in stack.events(job_id) if e["type"] == "metrics" and e["data"]["rank"] == 0]
+    assert losses[-1] < losses[0]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(stack.artifacts(job)["model"])
+    assert model.config.num_attention_heads == 4
+
+
 def test_cancel_a_queued_job_it_never_runs(stack):
     stack.stop_scheduler()
     try:

@@ -35,7 +35,7 @@ def test_openai_batch_size_sets_accumulation():
 
 def test_field_errors_together_each_named():
     got = problems({**BASE, "suffix": "bad suffix!", "training": {
-        "hyperparameters": {"max_seq_length": 1}, "peft": {"r": 0}, "strategy": "tensor"}})
+        "hyperparameters": {"max_seq_length": 1}, "peft": {"r": 0}, "strategy": "megatron"}})
     assert got == [("suffix", "invalid_value"), ("training.hyperparameters.max_seq_length", "invalid_value"),
                    ("training.strategy", "invalid_value"), ("training.peft.r", "invalid_value")]
 
@@ -59,11 +59,31 @@ def test_unknown_fields_rejected_at_every_level():
         ({"peft": {"method": "prefix_tuning", "merge": True}}, "training.peft.merge"),
         ({"strategy": "pipeline", "pipeline": {"stages": 4}, "resources": {"num_workers": 2}}, "training.pipeline.stages"),
         ({"fsdp": {"cpu_offload": True}}, "training.fsdp.cpu_offload"),
+        ({"strategy": "tensor"}, "training.tensor_parallel.size"),  # one worker: nothing to split over
+        ({"strategy": "tensor", "tensor_parallel": {"size": 4}, "resources": {"num_workers": 6}},
+         "training.tensor_parallel.size"),
+        ({"tensor_parallel": {"size": 2}, "resources": {"num_workers": 2}}, "training.tensor_parallel.size"),
+        ({"strategy": "tensor", "resources": {"num_workers": 2}, "peft": {"method": "prompt_tuning", "merge": False}},
+         "training.peft.method"),
+        ({"strategy": "tensor", "resources": {"num_workers": 2}, "loss_chunk_tokens": 512}, "training.loss_chunk_tokens"),
+        ({"strategy": "tensor", "resources": {"num_workers": 2, "gpus_per_worker": 1}, "activation_offload": True},
+         "training.activation_offload"),
+        ({"strategy": "tensor", "resources": {"num_workers": 2, "gpus_per_worker": 1}, "precision": "fp16"},
+         "training.precision"),
         ({"resources": {"gpu_type": "a100-40gb"}}, "training.resources.gpu_type"),
     ],
 )
 def test_cross_field_rules(training, param):
     assert (param, "invalid_value") in problems({**BASE, "training": training})
+
+
+def test_tensor_parallel_defaults_to_every_worker_and_leaves_the_rest_data_parallel():
+    two = validate_spec({**BASE, "training": {"strategy": "tensor", "resources": {"num_workers": 2},
+                                              "peft": {"method": "lora"}}})
+    assert two.resolved().data_parallel_size == 1
+    four = validate_spec({**BASE, "training": {"strategy": "tensor", "tensor_parallel": {"size": 2},
+                                               "resources": {"num_workers": 4}}})
+    assert four.resolved().data_parallel_size == 2
 
 
 def test_several_cross_field_problems_at_once():
@@ -258,3 +278,15 @@ def test_interleaved_1f1b_options_are_checked_by_field():
     assert problems({**BASE, "training": {**pp, "pipeline": {"stages": 2, "schedule": "interleaved_1f1b",
                                                              "virtual_stages": 1}}})[0] == (
         "training.pipeline.virtual_stages", "invalid_value")
+
+
+def test_the_tensor_strategy_refuses_an_elastic_range_naming_the_field():
+    from service.domain.spec import SpecError, validate_spec
+
+    body = {"model": "preset:tiny-llama", "training_file": "file-1",
+            "training": {"strategy": "tensor", "resources": {"num_workers": 4, "min_workers": 2}}}
+    with pytest.raises(SpecError) as exc:
+        validate_spec(body)
+    assert [p.param for p in exc.value.problems] == ["training.resources.min_workers"]
+    body["training"]["resources"]["min_workers"] = 4
+    validate_spec(body)

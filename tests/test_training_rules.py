@@ -27,7 +27,7 @@ MODEL = "preset:tiny-llama"
 
 def body(strategy: str, peft: str, precision: str) -> dict:
     on_gpu = precision == "fp16"  # the spec refuses it on CPU workers
-    workers = 2 if strategy == "pipeline" else 1
+    workers = 2 if strategy in ("pipeline", "tensor") else 1
     resources = {"num_workers": workers, **({"gpus_per_worker": 1} if on_gpu else {})}
     t = {"strategy": strategy, "precision": precision, "peft": {"method": peft}, "resources": resources}
     if strategy == "pipeline":

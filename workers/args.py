@@ -55,6 +55,7 @@ class TrainArgs:
     pipeline_stages: int = 2
     pipeline_local_stages: int = 1  # interleaved_1f1b: model stages per rank (service/domain/training.py: local_stages)
     pipeline_microbatches: int = 4
+    tensor_parallel_size: int | None = None  # strategy tensor: None is the world size
     checkpoint_every_steps: int = 50
     telemetry_every_steps: int = 1
     memory_trace_every_steps: int = 10
@@ -128,6 +129,7 @@ def train_args(req: RunRequest, fail_at: str | None = None) -> TrainArgs:
         pipeline_stages=t.pipeline.stages,
         pipeline_local_stages=local_stages(t.pipeline.schedule, t.pipeline.virtual_stages),
         pipeline_microbatches=r.pipeline_microbatches,
+        tensor_parallel_size=t.tensor_parallel.size,
         checkpoint_every_steps=t.checkpoint_every_steps,
         telemetry_every_steps=t.telemetry_every_steps,
         memory_trace_every_steps=t.memory_trace_every_steps,

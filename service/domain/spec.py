@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.domain.elastic import WorldPlan
-from service.domain.training import MERGEABLE_PEFT
+from service.domain.training import MERGEABLE_PEFT, TENSOR_PEFT
 
 
 class Strict(BaseModel):
@@ -111,6 +111,7 @@ class StrategyName(str, Enum):
     fsdp = "fsdp"
     deepspeed = "deepspeed"
     pipeline = "pipeline"
+    tensor = "tensor"
 
 
 class PeftMethod(str, Enum):
@@ -188,6 +189,12 @@ class PipelineOptions(Strict):
         "None: one row per chunk (micro_batch_size chunks)."))
 
 
+class TensorParallelOptions(Strict):
+    size: int | None = Field(None, ge=2, le=128, description=(
+        "Ranks each layer's attention heads and MLP columns are split over (strategy tensor); "
+        "resources.num_workers is a multiple of it (the rest is FSDP2 data parallel). None: num_workers."))
+
+
 class PeftOptions(Strict):
     method: PeftMethod = Field(PeftMethod.none, description="Parameter-efficient method, or none for a full fine-tune.")
     r: int = Field(8, ge=1, le=1024, description="Rank for lora/qlora/loha/lokr.")
@@ -233,6 +240,7 @@ class TrainingOptions(Strict):
     fsdp: FSDPOptions = Field(default_factory=FSDPOptions)
     deepspeed: DeepSpeedOptions = Field(default_factory=DeepSpeedOptions)
     pipeline: PipelineOptions = Field(default_factory=PipelineOptions)
+    tensor_parallel: TensorParallelOptions = Field(default_factory=TensorParallelOptions)
     peft: PeftOptions = Field(default_factory=PeftOptions)
     precision: Precision = Field(Precision.fp32, description="fp32, bf16 autocast, or fp16 with a grad scaler (GPU only).")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward instead of keeping them.")
@@ -431,6 +439,11 @@ def _micro_batch_for(share: int) -> int:
     return next(d for d in range(-(-share // MAX_ACCUMULATION), share + 1) if share % d == 0)
 
 
+def tensor_parallel_size(t: TrainingOptions) -> int:
+    """The ranks one model is split over under strategy tensor: tensor_parallel.size, or every worker."""
+    return t.tensor_parallel.size or t.resources.num_workers
+
+
 def split_batch(spec: JobSpec) -> BatchSplit:
     """How ``spec``'s global batch is made.
 
@@ -445,6 +458,8 @@ def split_batch(spec: JobSpec) -> BatchSplit:
     t = spec.training
     hp = t.hyperparameters
     dp = t.resources.num_workers if t.strategy != StrategyName.pipeline else max(1, t.resources.num_workers // t.pipeline.stages)
+    if t.strategy == StrategyName.tensor:
+        dp = max(1, t.resources.num_workers // tensor_parallel_size(t))
     batch = spec.openai_hyperparameters.batch_size
     if batch == "auto":
         return BatchSplit(hp.micro_batch_size, hp.gradient_accumulation_steps, dp)
@@ -651,6 +666,10 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
                                          "pipeline.microbatches, or use schedule 'gpipe'")
     if t.pipeline.virtual_stages is not None and t.pipeline.schedule != "interleaved_1f1b":
         bad("pipeline.virtual_stages", "virtual_stages needs pipeline.schedule 'interleaved_1f1b'")
+    if t.strategy == StrategyName.tensor:
+        problems += tensor_rules(t)
+    elif t.tensor_parallel.size is not None:
+        bad("tensor_parallel.size", "tensor_parallel options need strategy 'tensor'")
     if t.loss_chunk_tokens is not None and t.strategy == StrategyName.pipeline:
         bad("loss_chunk_tokens", "chunked cross-entropy is not built into the pipeline strategy's last stage; "
                                  "leave loss_chunk_tokens unset with strategy 'pipeline'")
@@ -690,10 +709,42 @@ def _min_workers_problem(t: TrainingOptions) -> str | None:
         return f"min_workers ({least}) must not exceed resources.num_workers ({most})"
     if t.strategy == StrategyName.pipeline and least % t.pipeline.stages:
         return f"min_workers ({least}) must be a multiple of pipeline.stages ({t.pipeline.stages})"
+    if t.strategy == StrategyName.tensor and least < most:
+        return ("an elastic range of workers is not built into the tensor strategy (its dp × tp mesh is fixed); "
+                "leave min_workers unset (or equal to num_workers) with strategy 'tensor'")
     if t.strategy == StrategyName.deepspeed and least < most:
         return ("a deepspeed checkpoint resumes only on the world size that wrote it; use ddp or fsdp for a range "
                 "of worker counts")
     return None
+
+
+def tensor_rules(t: TrainingOptions) -> list[FieldProblem]:
+    """Strategy tensor's cross-field rules (workers/strategies/tensor.py); the model's head and MLP
+    counts are checked by the planner, which reads the model's shape."""
+    out: list[FieldProblem] = []
+
+    def bad(param: str, message: str) -> None:
+        out.append(FieldProblem(param=f"training.{param}", message=message))
+
+    size, workers = tensor_parallel_size(t), t.resources.num_workers
+    if size < 2:
+        bad("tensor_parallel.size", f"tensor parallelism splits each layer over at least 2 ranks; set "
+                                    f"resources.num_workers (now {workers}) or tensor_parallel.size to 2 or more")
+    elif workers % size:
+        bad("tensor_parallel.size", f"resources.num_workers ({workers}) must be a multiple of tensor_parallel.size "
+                                    f"({size}): the rest of the workers are data-parallel replicas")
+    if t.precision == Precision.fp16:
+        bad("precision", "the tensor strategy runs in fp32 or bf16 (fp16's loss scaling is not built into it)")
+    if t.peft.method.value not in TENSOR_PEFT:
+        bad("peft.method", f"the tensor strategy splits LoRA adapters with their base layers; {t.peft.method.value} is "
+                           "not built into it (use lora, or none for a full fine-tune)")
+    if t.loss_chunk_tokens is not None:
+        bad("loss_chunk_tokens", "chunked cross-entropy is not built into the tensor strategy; leave "
+                                 "loss_chunk_tokens unset with strategy 'tensor'")
+    if t.activation_offload:
+        bad("activation_offload", "activation_offload is not built into the tensor strategy; use ddp, fsdp or "
+                                  "deepspeed")
+    return out
 
 
 def _is_union_tag(part: Any) -> bool:

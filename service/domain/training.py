@@ -243,3 +243,27 @@ def loss_chunk_problem(final_logit_softcapping: float | None) -> str | None:
         return ("chunked cross-entropy cannot run on a model whose config sets final_logit_softcapping (the "
                 "model caps the logits after the LM head); leave training.loss_chunk_tokens unset")
     return None
+
+
+# --- tensor parallel ----------------------------------------------------------------------------
+
+# Whose decoder blocks workers/strategies/tensor.py splits: q/k/v/gate/up column-wise, o/down row-wise.
+# GPT-2 is not among them: its fused c_attn and MLP are transformers' Conv1D ([in, out] weights), which
+# torch's ColwiseParallel/RowwiseParallel do not partition (they take nn.Linear and nn.Embedding).
+TENSOR_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+TENSOR_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split over the ranks
+TENSOR_ROWWISE = ("o_proj", "down_proj")  # input features split; the partial outputs all-reduced
+TENSOR_PEFT = ("none", "lora")  # the adapters whose layers the plan splits along with their base
+
+
+def tensor_problem(family: str, heads: int, kv_heads: int, intermediate: int, size: int) -> str | None:
+    """Why a model cannot be split over ``size`` tensor-parallel ranks, or None: each rank computes
+    whole attention heads (of queries and of keys/values) and an equal share of the MLP's columns."""
+    if family not in TENSOR_FAMILIES:
+        return (f"the tensor strategy splits the layers of {', '.join(TENSOR_FAMILIES)} models; this model is "
+                f"{family!r} (use ddp, fsdp, deepspeed or pipeline)")
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                    ("intermediate_size", intermediate)):
+        if n % size:
+            return f"tensor_parallel.size {size} must divide the model's {what} ({n})"
+    return None

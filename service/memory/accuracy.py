@@ -48,6 +48,9 @@ MARGINS: dict[str, Measured] = {
     # +3.05%; the s512 half is unmeasured, so 1F1B's margin stands.
     "pp2i": Measured(0.0166, "bench/memory_accuracy.py --filter s128,pp2 (pp2i rows, 16 configs): worst −0.02%, "
                              "max |error| 3.05%; pp2's 1.66% while its s512 half is unmeasured"),
+    # tp2 (strategy tensor, size 2, one replica): bench/memory_accuracy.py --filter tp2 (32 configs, both
+    # families), worst −1.10% (small-llama s512 fp32, rank 1 only: 4 MiB more than rank 0 in every phase).
+    "tp2": Measured(0.0110, "bench/memory_accuracy.py --filter tp2 (32 configs): worst −1.10%"),
 }
 
 
@@ -60,6 +63,9 @@ def matrix_key(spec: JobSpec) -> str | None:
         return "fsdp2" if t.fsdp.reshard_after_forward and not t.fsdp.cpu_offload else None
     if t.strategy == StrategyName.pipeline:
         return "pp2i" if t.pipeline.schedule == "interleaved_1f1b" else "pp2"
+    if t.strategy == StrategyName.tensor:
+        n = t.resources.num_workers
+        return "tp2" if (t.tensor_parallel.size or n) == 2 == n else None
     if t.strategy == StrategyName.deepspeed:
         ds = t.deepspeed
         offloads = (ds.offload_optimizer == "cpu", ds.offload_param == "cpu")

@@ -70,6 +70,7 @@ from service.memory.nf4 import (
     quantised_numels,
 )
 from service.memory.shape import ModelShape
+from service.memory.tensor_parallel import check_tensor, rank_shape
 
 DEFAULT_HOST_BYTES = 16 * 2**30  # a CPU worker's memory when no host budget is given
 CPU_RUNTIME_BYTES = 600 * MiB  # RSS of a torch + transformers worker process before any tensor (measured)
@@ -553,6 +554,13 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     s = t.hyperparameters.max_seq_length if seq_length is None else seq_length
     if t.peft.method == PeftMethod.prompt_tuning or t.peft.method == PeftMethod.prefix_tuning:
         s += t.peft.num_virtual_tokens if t.peft.method == PeftMethod.prompt_tuning else 0
+    model_shape = shape
+    if t.strategy == StrategyName.tensor:  # one rank of a tensor-parallel group: a model of 1/size the heads and columns
+        tp = check_tensor(spec, shape)
+        shape, N = rank_shape(shape, tp), N // tp
+        assumptions_tp = [f"tensor parallel: {tp} ranks each hold 1/{tp} of every block's heads and MLP columns and "
+                          f"the embeddings, norms and LM head whole; {N} data-parallel replica(s)"
+                          + (" sharded by FSDP2" if N > 1 else "")]
     Pt = trainable_parameters(spec, shape)
     # PEFT adds its adapter to the frozen base: the model holds both.
     P = shape.parameter_count() + (Pt if t.peft.method != PeftMethod.none else 0)
@@ -635,14 +643,14 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                               if t.pipeline.schedule == "interleaved_1f1b" else "")
                            + f", {spec.resolved().pipeline_microbatches} chunk(s) per "
                            "micro-batch; the fullest stage is shown")
-    elif strategy == "ddp":
+    elif strategy == "ddp" or (strategy == "tensor" and N == 1):
         dev.parameters = base_param_bytes
         dev.gradients = grads_full
         dev.optimizer_states = opt
-        if N > 1:
+        if N > 1 and strategy == "ddp":
             comm = grads_full  # DDP's gradient buckets: a second fp32 copy of every trainable gradient
             assumptions.append("DDP keeps gradient buckets (one fp32 copy of the trainable gradients)")
-    elif strategy == "fsdp":
+    elif strategy in ("fsdp", "tensor"):  # tensor with N > 1 data-parallel replicas: FSDP2 shards each rank's share
         # FSDP2 keeps one dtype per unit: every shard in the trained weights' (QLoRA's packed codes: below)
         dev.parameters = P * dtype_bytes(rg.trainable_dtype) // N
         dev.gradients = grads_full // N
@@ -843,6 +851,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     if accuracy_bytes:
         assumptions.append(f"plus the planner's measured under-prediction for this strategy, {accuracy:.2%} of the "
                            f"peak ({accuracy_source})")
+    if model_shape is not shape:  # tensor: the bytes are one rank's, the counts the whole model's
+        shape, Pt, N = model_shape, trainable_parameters(spec, model_shape), N * tp
+        P = shape.parameter_count() + (Pt if not full else 0)
+        assumptions += assumptions_tp
     result = Plan(
         fits=fits, parameter_count=P, trainable_parameter_count=Pt, world_size=N, gpu=g.name if g else None,
         capacity_bytes=capacity, usable_bytes=usable, safety_margin=safety_margin,

@@ -18,7 +18,7 @@ DEFAULTS = {
     "precision": "bf16", "gradient_checkpointing": "", "micro_batch_size": "4", "max_seq_length": "512",
     "num_workers": "1", "zero_stage": "2", "offload": "none",
 }
-STRATEGIES = ("ddp", "fsdp", "deepspeed", "pipeline")
+STRATEGIES = ("ddp", "fsdp", "deepspeed", "pipeline", "tensor")
 PEFTS = ("none", "lora", "qlora")
 PRECISIONS = ("fp32", "bf16", "fp16")
 

@@ -1,5 +1,5 @@
 """One training function per strategy, each in its own module with its loop in plain sight: ddp.py,
-fsdp.py, deepspeed.py, pipeline.py. common.py holds what they share before and after the loop (data,
+fsdp.py, deepspeed.py, pipeline.py, tensor.py. common.py holds what they share before and after the loop (data,
 the model as built, eval, the per-step cadence), qat.py the QAT transform; the step itself is
 workers/steps.py, checkpoints workers/checkpoint.py, data workers/data.py.
 
@@ -19,10 +19,12 @@ from workers.strategies.deepspeed import deepspeed_config, train_deepspeed
 from workers.strategies.fsdp import shard_fsdp2, train_fsdp
 from workers.strategies.pipeline import train_pipeline
 from workers.strategies.qat import qat_export
+from workers.strategies.tensor import train_tensor
 
 __all__ = ["STRATEGIES", "build_model", "deepspeed_config", "prepare", "qat_export", "shard_fsdp2", "train"]
 
-STRATEGIES = {"ddp": train_ddp, "fsdp": train_fsdp, "deepspeed": train_deepspeed, "pipeline": train_pipeline}
+STRATEGIES = {"ddp": train_ddp, "fsdp": train_fsdp, "deepspeed": train_deepspeed, "pipeline": train_pipeline,
+              "tensor": train_tensor}
 
 
 def train(args: TrainArgs, env: WorkerEnv) -> dict:

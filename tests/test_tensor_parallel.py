@@ -1,0 +1,202 @@
+"""Tensor parallelism (workers/strategies/tensor.py) on gloo processes: the same update as a single
+process over the same global batch (full fine-tune and LoRA, with checkpointing), bf16, resume from
+the sharded checkpoint, and an export that from_pretrained loads with the trained model's logits;
+and the planner's per-rank shard sizes. The HTTP and Ray path is tests/test_e2e.py -k tensor."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
+
+
+# --- admission and the planner's shards (no torch) ------------------------------------------------
+
+
+def _plan(training: dict, model: str = "preset:small-llama"):
+    from service.domain.model_ref import resolve_model
+    from service.domain.spec import JobSpec
+    from service.memory.planner import plan
+    from service.memory.shape import shape_for_model
+
+    spec = JobSpec.model_validate({"model": model, "training_file": "file-x", "training": training})
+    return plan(spec, shape_for_model(resolve_model(spec.model, ())), None)
+
+
+TP = {"strategy": "tensor", "resources": {"num_workers": 2},
+      "hyperparameters": {"micro_batch_size": 4, "max_seq_length": 256}}
+
+
+def test_a_model_whose_heads_the_ranks_cannot_share_is_refused_by_field():
+    from service.domain.errors import SpecInvalid
+
+    with pytest.raises(SpecInvalid) as exc:  # small-qwen2: 2 key/value heads over 4 ranks
+        _plan({**TP, "resources": {"num_workers": 4}}, "preset:small-qwen2")
+    assert exc.value.param == "training.tensor_parallel.size" and "num_key_value_heads (2)" in str(exc.value)
+    with pytest.raises(SpecInvalid) as exc:
+        _plan(TP, "preset:tiny-gpt2")
+    assert exc.value.param == "training.tensor_parallel.size" and "gpt2" in str(exc.value)
+
+
+def test_each_rank_holds_its_share_of_every_block_and_the_rest_whole():
+    """small-llama over 2 ranks: q/k/v/o/gate/up/down halved, embeddings, norms and LM head whole; the
+    optimizer's two moments of what each rank trains; the plan still names the whole model's counts."""
+    from service.domain.model_ref import resolve_model
+    from service.memory.shape import shape_for_model
+
+    shape = shape_for_model(resolve_model("preset:small-llama", ()))
+    h, i, q, kv, L = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, shape.num_layers
+    split = L * (h * q + 2 * h * kv + q * h + 3 * h * i)
+    whole = shape.parameter_count() - split
+    tp = _plan(TP)
+    assert tp.parameter_count == shape.parameter_count()
+    assert tp.model_states.device.parameters == (split // 2 + whole) * 4
+    assert tp.model_states.device.optimizer_states == 2 * tp.model_states.device.gradients == 2 * (split // 2 + whole) * 4
+    # LoRA on the attention: lora_A whole and lora_B halved on q/k/v, lora_A halved and lora_B whole on o
+    lora = _plan({**TP, "peft": {"method": "lora", "r": 8}})
+    r = 8
+    adapter = L * r * ((h + q // 2) + 2 * (h + kv // 2) + (q // 2 + h))
+    assert lora.trainable_parameter_count == L * r * ((h + q) + 2 * (h + kv) + (q + h))
+    assert lora.model_states.device.gradients == adapter * 4
+    # 1/2 of the heads and columns: the attention's and the MLP's activations shrink, the residual stream's not
+    ddp = _plan({**TP, "strategy": "ddp", "resources": {"num_workers": 1}})
+    assert ddp.activations_saved_bytes / 2 < tp.activations_saved_bytes < ddp.activations_saved_bytes
+
+
+# --- the worker on gloo processes -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_local():
+    pytest.importorskip("torch")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from workers.local import run_local
+
+    return run_local
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _preset_cache(tmp_path_factory):
+    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
+
+
+def _args(out: Path, **kw):
+    from workers.args import TrainArgs
+
+    base = dict(job_id="ftjob-tp", output_dir=str(out), training_path=str(EXAMPLES / "chat.jsonl"),
+                model="preset:tiny-llama", learning_rate=1e-2, warmup_steps=2, micro_batch_size=4, accumulation=2,
+                max_steps=4, max_seq_length=64, checkpoint_every_steps=100, telemetry_every_steps=1,
+                memory_trace_every_steps=1000)
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+def _tensor(out: Path, **kw):
+    return _args(out, strategy="tensor", **kw)
+
+
+def _losses(ranks: list[dict]) -> list[float]:
+    return [r["loss"] for r in ranks[0]["reports"] if r.get("kind") == "metrics"]
+
+
+@pytest.mark.parametrize("model", ["preset:tiny-llama", "preset:tiny-qwen2"])
+def test_tensor_parallel_trains_exactly_as_one_process(tmp_path, run_local, model):
+    """Two ranks, each with half the heads and MLP columns, give the single process's losses step for
+    step (full fine-tune: every split weight, the replicated embeddings, norms and head, clipping)."""
+    one_ranks = run_local(_args(tmp_path / "one", model=model), world_size=1)
+    tp_ranks = run_local(_tensor(tmp_path / "tp", model=model), world_size=2)
+    one, tp = _losses(one_ranks), _losses(tp_ranks)
+    assert len(tp) == 4 and tp[-1] < tp[0]
+    assert tp == pytest.approx(one, rel=1e-5)
+    # really split: each rank holds the planner's share (half of every block's projections)
+    from service.domain.model_ref import resolve_model
+    from service.memory.shape import shape_for_model
+    from service.memory.tensor_parallel import rank_shape
+
+    shape = shape_for_model(resolve_model(model, ()))
+    held = [m["parameters_bytes"] for r in tp_ranks[0]["reports"] if r.get("kind") == "metrics"
+            for m in r["memory"] if "parameters_bytes" in m]
+    assert held[0] == rank_shape(shape, 2).parameter_count() * 4 < shape.parameter_count() * 4
+
+
+def test_lora_with_checkpointing_matches_ddp_and_exports_an_adapter(tmp_path, run_local):
+    kw = dict(peft_method="lora", gradient_checkpointing=True, learning_rate=5e-2,
+              peft_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # against DDP on two spawned ranks (the same global batch): an in-process run's lora_A starts from
+    # another RNG state when it is the one that builds the preset, which spawned runs never are
+    ddp = _losses(run_local(_args(tmp_path / "ddp", micro_batch_size=2, **kw), world_size=2))
+    ranks = run_local(_tensor(tmp_path / "tp", **kw), world_size=2)
+    assert _losses(ranks) == pytest.approx(ddp, rel=1e-5)
+    assert ranks[0]["artifacts"] == {"adapter": "adapter", "merged": "merged"}
+    assert (tmp_path / "tp" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_bf16_tensor_parallel_trains(tmp_path, run_local):
+    losses = _losses(run_local(_tensor(tmp_path / "tp", precision="bf16", max_steps=6), world_size=2))
+    assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+def test_resume_from_the_sharded_checkpoint_repeats_the_uninterrupted_run(tmp_path, run_local):
+    kw = dict(peft_method="lora", max_steps=6, learning_rate=5e-2)
+    full = _losses(run_local(_tensor(tmp_path / "full", **kw), world_size=2))
+    first = run_local(_tensor(tmp_path / "first", checkpoint_every_steps=3, **kw), world_size=2)
+    step3 = tmp_path / "first" / "checkpoints" / "step-3"
+    assert (step3 / "dcp" / ".metadata").is_file()
+    resumed = run_local(_tensor(tmp_path / "resumed", **kw), world_size=2, resume_dir=str(step3))
+    steps = {r["step"]: r["loss"] for r in resumed[0]["reports"] if r.get("kind") == "metrics"}
+    assert sorted(steps) == [4, 5, 6]
+    assert [steps[s] for s in (4, 5, 6)] == pytest.approx(full[3:], rel=1e-5)
+    assert _losses(first) == pytest.approx(full, rel=1e-5)
+
+
+def test_export_is_one_folder_with_the_trained_logits(tmp_path, run_local):
+    """The shards gathered into one Hugging Face folder: from_pretrained loads it and gives the logits
+    of the single process's export, which trained the same steps on the same data."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run_local(_args(tmp_path / "one"), world_size=1)
+    run_local(_tensor(tmp_path / "tp"), world_size=2)
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "model")(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "model")(ids).logits
+    # fp32 rounding only: a row-wise layer sums its two halves' partial products in another order than
+    # one matmul does, and four AdamW steps at lr 1e-2 carry the ~1e-7 differences to ~1e-4 in the logits
+    assert torch.allclose(got, want, atol=1e-3)
+    from workers.models import resolve_model_dir
+
+    with torch.no_grad():  # ... far below what the training changed
+        base = AutoModelForCausalLM.from_pretrained(resolve_model_dir("preset:tiny-llama", None))(ids).logits
+    assert (got - base).abs().max() > 100 * (got - want).abs().max()
+
+
+def test_two_replicas_of_a_two_way_split_match_ddp_on_two_ranks(tmp_path, run_local):
+    """A 2 × 2 mesh (dp × tp): FSDP2 over the replicas of each rank's share, as DDP's two ranks."""
+    ddp = _losses(run_local(_args(tmp_path / "ddp", micro_batch_size=2), world_size=2))
+    tp = _losses(run_local(_tensor(tmp_path / "tp", micro_batch_size=2, tensor_parallel_size=2), world_size=4))
+    assert tp == pytest.approx(ddp, rel=1e-5)
+
+
+def test_a_two_by_two_mesh_resumes_and_exports(tmp_path, run_local):
+    """FSDP2 × TP: the DCP checkpoint of a 2 × 2 mesh resumes with the uninterrupted run's losses, and
+    the gathered export loads with the logits of the same training on one process's DDP twin."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(micro_batch_size=2, tensor_parallel_size=2, max_steps=4)
+    full = _losses(run_local(_tensor(tmp_path / "full", **kw), world_size=4))
+    run_local(_tensor(tmp_path / "first", checkpoint_every_steps=2, **kw), world_size=4)
+    resumed = run_local(_tensor(tmp_path / "resumed", **kw), world_size=4,
+                        resume_dir=str(tmp_path / "first" / "checkpoints" / "step-2"))
+    steps = {r["step"]: r["loss"] for r in resumed[0]["reports"] if r.get("kind") == "metrics"}
+    assert [steps[s] for s in (3, 4)] == pytest.approx(full[2:], rel=1e-5)
+    run_local(_args(tmp_path / "ddp", micro_batch_size=2), world_size=2)
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp" / "model")(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "model")(ids).logits
+    assert torch.allclose(got, want, atol=1e-3)
