@@ -259,13 +259,13 @@ def train_tensor(args: TrainArgs, env: WorkerEnv) -> dict:
     return artifacts
 
 
-def full_state(model, trainable_only: bool, rank: int) -> dict[str, torch.Tensor]:
-    """The whole model's state dict on rank 0 (on CPU), each sharded tensor gathered in turn: a
+def adapter_state(model, rank: int) -> dict[str, torch.Tensor]:
+    """The trained (adapter) tensors on rank 0 (on CPU), each sharded one gathered in turn: a
     collective, every rank walks the same names in the same order."""
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
-        if trainable_only and name not in trainable:
+        if name not in trainable:
             continue
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         if rank == 0:
@@ -274,7 +274,10 @@ def full_state(model, trainable_only: bool, rank: int) -> dict[str, torch.Tensor
 
 
 def export_tensor(args: TrainArgs, env: WorkerEnv, model, model_dir: str, tokenizer) -> dict:
-    """One ordinary Hugging Face folder, written by rank 0 from the gathered weights (export_artifacts,
-    as for DDP)."""
-    state = full_state(model, args.is_peft, env.rank)
-    return ckpt.export_artifacts(args, state, model_dir, tokenizer) if env.rank == 0 else {}
+    """One ordinary Hugging Face folder, as FSDP2 writes it: the small adapter gathered whole and exported
+    (and merged) by rank 0 from the rebuilt base; a full fine-tune gathered one tensor at a time and
+    streamed to safetensors files by rank 0 (checkpoint.export_model_streamed), never the whole model."""
+    if args.is_peft:
+        state = adapter_state(model, env.rank)
+        return ckpt.export_artifacts(args, state, model_dir, tokenizer) if env.rank == 0 else {}
+    return ckpt.export_model_streamed(args, model, model_dir, tokenizer, env.rank)
