@@ -12,10 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("bitsandbytes")
 
+from tests.test_workers_train import _args as train_args  # noqa: E402
 from workers.args import TrainArgs  # noqa: E402
 from workers.local import run_local  # noqa: E402
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,11 +24,8 @@ def _preset_cache(tmp_path_factory):
 
 
 def _args(tmp_path, **kw) -> TrainArgs:
-    base = dict(job_id="ftjob-qlora", output_dir=str(tmp_path / "out"), training_path=str(EXAMPLES / "completion.jsonl"),
-                model="preset:tiny-llama", peft_method="qlora", learning_rate=3e-2, warmup_steps=2, micro_batch_size=8,
-                max_steps=12, checkpoint_every_steps=100, telemetry_every_steps=1, memory_trace_every_steps=1000)
-    base.update(kw)
-    return TrainArgs(**base)
+    """tests/test_workers_train.py's run, on a 4-bit base."""
+    return train_args(tmp_path, **{"job_id": "ftjob-qlora", "peft_method": "qlora", "learning_rate": 3e-2, **kw})
 
 
 def test_qlora_trains_on_a_4bit_base_on_cpu_resumes_saves_and_merges(tmp_path):
