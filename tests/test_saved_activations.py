@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from service.domain.spec import JobSpec, RunRequest  # noqa: E402
-from service.memory.planner import ACTIVATION_SIZES, _ia3_feedforward, _lora_targets, activations  # noqa: E402
+from service.memory.planner import ACTIVATION_SIZES, _lora_targets, activations, method_terms  # noqa: E402
 from service.memory.shape import shape_from_config  # noqa: E402
 
 
@@ -78,9 +78,8 @@ def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft):
     measured = _block_saved_bytes(model, b, s)
     p = spec.training.peft.num_virtual_tokens
     act = activations(shape, b, s + (p if peft == "prompt_tuning" else 0), ACTIVATION_SIZES["fp32"],
-                      _lora_targets(spec, shape), spec.training.peft.r, ia3_feedforward=_ia3_feedforward(spec, shape),
-                      prefix_tokens=p if peft == "prefix_tuning" else 0, input_grad=peft == "prompt_tuning",
-                      lycoris=peft in ("loha", "lokr"))
+                      _lora_targets(spec, shape), spec.training.peft.r, input_grad=peft == "prompt_tuning",
+                      **method_terms(spec, shape))
     middle = 2  # block 0's input needs no gradient under PEFT, block 1 is the first to keep the rotary tables
     tolerance = 8 * 1024  # the vectors IA3 multiplies by, which the planner leaves out (< 2 KiB here)
     assert abs(act.layer_bytes[middle] - measured[middle]) <= tolerance, (act.layer_bytes, measured)

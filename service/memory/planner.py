@@ -126,12 +126,20 @@ def _lora_targets(spec: JobSpec, shape: ModelShape) -> set[str] | None:
     return targets
 
 
-def _ia3_feedforward(spec: JobSpec, shape: ModelShape) -> frozenset[str] | None:
-    """IA3's feed-forward targets (workers/peft_setup.py), or None when the method is not IA3."""
-    peft = spec.training.peft
-    if peft.method != PeftMethod.ia3:
-        return None
-    return frozenset(feedforward_targets(shape.family, peft.target_modules))
+def method_terms(spec: JobSpec, shape: ModelShape) -> dict:
+    """The spec's training method as :func:`activations` takes it: QAT's (group size, fake-quantised
+    activations), IA3's feed-forward targets (workers/peft_setup.py; None when the method is not IA3),
+    prefix tuning's virtual tokens, and whether the adapter is LoHa/LoKr. One place for every caller
+    (a whole model, a pipeline stage)."""
+    t = spec.training
+    peft = t.peft
+    return {
+        "qat": (t.qat.group_size, t.qat.scheme == "int8-dynamic-act-int4-weight") if t.qat.enabled else None,
+        "ia3_feedforward": (frozenset(feedforward_targets(shape.family, peft.target_modules))
+                            if peft.method == PeftMethod.ia3 else None),
+        "prefix_tokens": peft.num_virtual_tokens if peft.method == PeftMethod.prefix_tuning else 0,
+        "lycoris": peft.method in (PeftMethod.loha, PeftMethod.lokr),
+    }
 
 
 def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targets: set[str] | None, r: int,
@@ -459,8 +467,7 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
         trained = held if full else n * adapter_per_block
         frozen = 0 if full else held
         act = activations(replace(shape, num_layers=n), rows, s, sizes, targets, t.peft.r, t.attention,
-                          input_grad=not first, ia3_feedforward=_ia3_feedforward(spec, shape),
-                          lycoris=t.peft.method in (PeftMethod.loha, PeftMethod.lokr))
+                          input_grad=not first, **method_terms(spec, shape))
         # torch.distributed.pipelining's stage keeps each chunk's output until that chunk's backward
         # (stage.py: fwd_cache, which backward_one_chunk runs autograd from): the residual stream sent on,
         # or on the last stage the logits, which the plain loop frees once the loss has them.
@@ -753,13 +760,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     else:
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
                           zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded,
-                          loss_chunk_tokens=t.loss_chunk_tokens,
-                          qat=(t.qat.group_size, t.qat.scheme == "int8-dynamic-act-int4-weight") if t.qat.enabled else None,
-                          ia3_feedforward=_ia3_feedforward(spec, shape),
-                          prefix_tokens=t.peft.num_virtual_tokens if t.peft.method == PeftMethod.prefix_tuning else 0,
+                          loss_chunk_tokens=t.loss_chunk_tokens, nf4_base=qlora, on_gpu=on_gpu,
                           # prompt tuning's virtual tokens are trainable embeddings: the first block's input needs a gradient
-                          input_grad=t.peft.method == PeftMethod.prompt_tuning, nf4_base=qlora, on_gpu=on_gpu,
-                          lycoris=t.peft.method in (PeftMethod.loha, PeftMethod.lokr))
+                          input_grad=t.peft.method == PeftMethod.prompt_tuning, **method_terms(spec, shape))
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:
