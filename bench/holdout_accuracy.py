@@ -20,6 +20,7 @@ chats); "varied" is a generated chat file whose rows run from a few tokens to pa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -132,9 +133,21 @@ def formed_width(case: HoldoutCase, rank: int, step: int) -> tuple[int, bool]:
     """The widest micro-batch rank ``rank`` trained at optimizer step ``step`` (1-based) and whether it held
     padding: the workers' own loader, tokenizer and seeded sampler (workers/strategies/common.py: prepare)
     rebuilt here, so these are the very rows of the measured step."""
+    lengths, sampler = _trained_rows(case.name)
+    widths = []
+    for rows in sampler.micro_batches(step - 1, rank):
+        row = [lengths[i] for i in rows]
+        widths.append((max(row), min(row) < max(row)))
+    return max(widths)
+
+
+@functools.cache
+def _trained_rows(name: str):
+    """A case's training rows' token counts and its sampler, built once per case (every rank reads them)."""
     from workers.data import StepSampler, load_dataset
     from workers.models import load_tokenizer, resolve_model_dir
 
+    case = next(c for c in [*HOLDOUT, *CHECKS] if c.name == name)
     spec, _ = validated(case)
     hp, r = spec.training.hyperparameters, spec.resolved()
     folder = _data_dir() / case.data
@@ -142,11 +155,7 @@ def formed_width(case: HoldoutCase, rank: int, step: int) -> tuple[int, bool]:
     tokenizer = load_tokenizer(resolve_model_dir(spec.model, None))
     train = load_dataset(str(data_file(case, folder)), tokenizer, hp.max_seq_length, hp.packing)
     sampler = StepSampler(len(train), r.micro_batch_size, r.gradient_accumulation_steps, r.data_parallel_size, r.seed)
-    widths = []
-    for rows in sampler.micro_batches(step - 1, rank):
-        lengths = [len(train.examples[i][0]) for i in rows]
-        widths.append((max(lengths), min(lengths) < max(lengths)))
-    return max(widths)
+    return [len(ids) for ids, _ in train.examples], sampler
 
 
 def _data_dir() -> Path:
