@@ -242,6 +242,28 @@ def test_suggestions_propose_a_pipeline_whose_fullest_stage_fits():
     assert not [o for o in suggest(s, gemma, "a100-40gb", limit=20) if o.change.startswith("pipeline")]
 
 
+def test_suggestions_propose_tensor_parallel_where_the_heads_split():
+    """4 workers of a 7B that does not fit under DDP: tensor parallelism over the 4 (and over 2, with two
+    FSDP2 replicas) is offered with one rank's plan, and the spec it proposes passes the rules; not for a
+    model whose heads the ranks cannot share, nor where the tensor strategy cannot run the job."""
+    from service.domain.spec import check_rules
+
+    s = spec(resources={"num_workers": 4, "gpus_per_worker": 1, "gpu_type": "a100-40gb"})
+    options = {o.change: o for o in suggest(s, LLAMA2_7B, "a100-40gb", limit=40)}
+    tp = options["tensor_4"]
+    assert (tp.spec.training.strategy.value, tp.spec.training.tensor_parallel.size) == ("tensor", 4)
+    assert tp.plan.fits and not check_rules(tp.spec)
+    assert tp.plan.peak_bytes == plan(tp.spec, LLAMA2_7B, "a100-40gb").peak_bytes < plan(s, LLAMA2_7B, "a100-40gb").peak_bytes
+    assert all("+" not in o.change or o.change.count("tensor") + o.change.count("pipeline") <= 1 for o in options.values())
+    three_heads = shape_from_config({"model_type": "llama", "hidden_size": 4032, "intermediate_size": 11008,
+                                     "num_hidden_layers": 32, "num_attention_heads": 42, "num_key_value_heads": 42,
+                                     "vocab_size": 32000})  # 42 heads: not over 4 ranks, over 2 they split
+    changes = [o.change for o in suggest(s, three_heads, "a100-40gb", limit=40)]
+    assert "tensor_4" not in changes
+    fp16 = spec(resources={"num_workers": 4, "gpus_per_worker": 1, "gpu_type": "a100-40gb"}, precision="fp16")
+    assert not [o for o in suggest(fp16, LLAMA2_7B, "a100-40gb", limit=40) if o.change.startswith("tensor")]
+
+
 def test_qlora_7b_holds_an_nf4_base_and_no_16bit_copy_of_it():
     """QLoRA's base is bitsandbytes' NF4 (service/memory/nf4.py): 0.5 B/param of packed codes plus the
     double-quantised block constants; embeddings, norms and lm_head fp32 (prepare_model_for_kbit_training).

@@ -36,9 +36,9 @@ def test_a_model_whose_heads_the_ranks_cannot_share_is_refused_by_field():
     with pytest.raises(SpecInvalid) as exc:  # small-qwen2: 2 key/value heads over 4 ranks
         _plan({**TP, "resources": {"num_workers": 4}}, "preset:small-qwen2")
     assert exc.value.param == "training.tensor_parallel.size" and "num_key_value_heads (2)" in str(exc.value)
-    with pytest.raises(SpecInvalid) as exc:
-        _plan(TP, "preset:tiny-gpt2")
-    assert exc.value.param == "training.tensor_parallel.size" and "gpt2" in str(exc.value)
+    with pytest.raises(SpecInvalid) as exc:  # tiny-gpt2: 4 heads over 8 ranks
+        _plan({**TP, "resources": {"num_workers": 8}}, "preset:tiny-gpt2")
+    assert exc.value.param == "training.tensor_parallel.size" and "num_attention_heads (4)" in str(exc.value)
 
 
 def test_each_rank_holds_its_share_of_every_block_and_the_rest_whole():
@@ -102,10 +102,12 @@ def _losses(ranks: list[dict]) -> list[float]:
     return [r["loss"] for r in ranks[0]["reports"] if r.get("kind") == "metrics"]
 
 
-@pytest.mark.parametrize("model", ["preset:tiny-llama", "preset:tiny-qwen2"])
+@pytest.mark.parametrize("model", ["preset:tiny-llama", "preset:tiny-qwen2", "preset:tiny-gpt2"])
 def test_tensor_parallel_trains_exactly_as_one_process(tmp_path, run_local, model):
     """Two ranks, each with half the heads and MLP columns, give the single process's losses step for
-    step (full fine-tune: every split weight, the replicated embeddings, norms and head, clipping)."""
+    step (full fine-tune: every split weight, the replicated embeddings, norms and head, clipping).
+    GPT-2's fused c_attn is regrouped so each rank's share is its own heads' q, k and v: its export
+    puts the columns back, and loads with the single process's logits."""
     one_ranks = run_local(_args(tmp_path / "one", model=model), world_size=1)
     tp_ranks = run_local(_tensor(tmp_path / "tp", model=model), world_size=2)
     one, tp = _losses(one_ranks), _losses(tp_ranks)
@@ -120,6 +122,61 @@ def test_tensor_parallel_trains_exactly_as_one_process(tmp_path, run_local, mode
     held = [m["parameters_bytes"] for r in tp_ranks[0]["reports"] if r.get("kind") == "metrics"
             for m in r["memory"] if "parameters_bytes" in m]
     assert held[0] == rank_shape(shape, 2).parameter_count() * 4 < shape.parameter_count() * 4
+    if model == "preset:tiny-gpt2":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        ids = torch.arange(1, 33).unsqueeze(0)
+        with torch.no_grad():
+            want = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "model")(ids).logits
+            got = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "model")(ids).logits
+        assert torch.allclose(got, want, atol=1e-3)
+
+
+def test_gpt2_lora_on_the_fused_attention_matches_ddp_and_merges_in_order(tmp_path, run_local):
+    """LoRA on GPT-2's c_attn (its lora_B regrouped with the base's columns), c_proj and c_fc: DDP's
+    losses, and the exported adapter merges into the model DDP's adapter merges into."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(model="preset:tiny-gpt2", peft_method="lora", learning_rate=1e-2, peft_targets=["c_attn", "c_proj", "c_fc"])
+    ddp = _losses(run_local(_args(tmp_path / "ddp", micro_batch_size=2, **kw), world_size=2))
+    ranks = run_local(_tensor(tmp_path / "tp", **kw), world_size=2)
+    assert _losses(ranks) == pytest.approx(ddp, rel=1e-5)
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp" / "merged")(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "merged")(ids).logits
+    assert torch.allclose(got, want, atol=1e-3)
+
+
+def test_attention_dropout_draws_per_rank_masks_and_leaves_the_shared_stream_in_step():
+    """sync_dropout on GPT-2 with dropout in the attention and the residual stream, as ranks 0 and 1 of
+    a tp group run it (one process each, from the same seed): the heads' dropout masks differ between
+    the ranks (each has its own stream), and after the forward both ranks' generators are in the same
+    state, so the replicated residual stream's dropout drew the same numbers on both."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from workers.models import resolve_model_dir
+    from workers.strategies.tensor import sync_dropout
+
+    cfg = AutoConfig.from_pretrained(resolve_model_dir("preset:tiny-gpt2", None))
+    cfg.update({"attn_pdrop": 0.5, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "_attn_implementation": "eager"})
+    ids = torch.arange(1, 17).unsqueeze(0)
+    seen, states = [], []
+    for tp_rank in (0, 1):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).train()
+        sync_dropout(model, tp_rank, torch.device("cpu"))
+        heads: list = []
+        model.transformer.h[0].attn.c_proj.register_forward_pre_hook(lambda _m, a: heads.append(a[0].detach()))
+        torch.manual_seed(1)
+        model(ids)
+        seen.append(heads[0])
+        states.append(torch.get_rng_state())
+    assert not torch.equal(seen[0], seen[1])
+    assert torch.equal(states[0], states[1])
 
 
 def test_lora_with_checkpointing_matches_ddp_and_exports_an_adapter(tmp_path, run_local):

@@ -294,13 +294,15 @@ EXPORT_SHARD_BYTES = 1 << 30  # one safetensors file of the streamed export: the
 
 
 def export_model_streamed(args: TrainArgs, model, model_dir: str, tokenizer, rank: int,
-                          max_shard_bytes: int = EXPORT_SHARD_BYTES) -> dict[str, str]:
+                          max_shard_bytes: int = EXPORT_SHARD_BYTES, restore=None) -> dict[str, str]:
     """FSDP2, full fine-tune: the ``model/`` folder gathered once and streamed to disk. Every rank
     gathers one tensor at a time (``DTensor.full_tensor()``, a collective, in state-dict order);
     rank 0 collects them into the next safetensors file and writes it when it reaches
     ``max_shard_bytes``, so no process ever holds more than one file plus one tensor — not the model.
     The files, their index and the config are what ``save_pretrained`` writes for the same weights
-    (fp32, tied weights once); ``from_pretrained`` loads the folder. A collective: every rank calls it."""
+    (fp32, tied weights once); ``from_pretrained`` loads the folder. A collective: every rank calls it.
+    ``restore(name, tensor)``, where given, turns a gathered tensor back into the model's own layout
+    (the tensor strategy's regrouped GPT-2 c_attn)."""
     tensors = _export_tensors(model)
     shards = _plan_shards(tensors, max_shard_bytes)
 
@@ -312,7 +314,7 @@ def export_model_streamed(args: TrainArgs, model, model_dir: str, tokenizer, ran
             for name in names:
                 full = _full_tensor(tensors[name])  # every rank: the all-gather of this one tensor
                 if d is not None:
-                    shard[name] = full
+                    shard[name] = restore(name, full) if restore else full
                     weight_map[name] = fname
                 del full
             if d is not None:

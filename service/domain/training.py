@@ -247,12 +247,19 @@ def loss_chunk_problem(final_logit_softcapping: float | None) -> str | None:
 
 # --- tensor parallel ----------------------------------------------------------------------------
 
-# Whose decoder blocks workers/strategies/tensor.py splits: q/k/v/gate/up column-wise, o/down row-wise.
-# GPT-2 is not among them: its fused c_attn and MLP are transformers' Conv1D ([in, out] weights), which
-# torch's ColwiseParallel/RowwiseParallel do not partition (they take nn.Linear and nn.Embedding).
-TENSOR_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-TENSOR_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split over the ranks
-TENSOR_ROWWISE = ("o_proj", "down_proj")  # input features split; the partial outputs all-reduced
+# Whose decoder blocks workers/strategies/tensor.py splits, and how: module name -> "colwise" (output
+# features split over the ranks) or "rowwise" (input features split; the partial outputs all-reduced).
+# GPT-2's layers are transformers' Conv1D ([in, out] weights, which torch's ColwiseParallel/
+# RowwiseParallel do not take: the worker has its own styles for them) and its c_attn is q, k and v fused
+# in one [q | k | v] output, whose columns the worker regroups so that each rank's share is its own heads'.
+_LLAMA_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+             "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+             "mlp.down_proj": "rowwise"}
+TENSOR_LAYERS: dict[str, dict[str, str]] = {
+    **{f: _LLAMA_TP for f in ("llama", "mistral", "qwen2", "qwen3")},
+    "gpt2": {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"},
+}
+TENSOR_FAMILIES = tuple(TENSOR_LAYERS)
 TENSOR_PEFT = ("none", "lora")  # the adapters whose layers the plan splits along with their base
 
 

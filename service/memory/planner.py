@@ -55,6 +55,7 @@ from service.domain.training import (
     lora_targets,
     loss_chunk_problem,
     pipeline_problem,
+    tensor_problem,
     qat_problem,
     regime,
     stage_layers,
@@ -242,7 +243,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
         if shape.family == "gpt2":
             ln_in = (T * h * res if in_grad else 0) + 2 * small
             n += ln_in + linear_input(res if not regime.casts else 4, ["c_attn"], h)
-            n += T * 3 * h * a + T * h * a + shape.num_heads * T * 4  # q,k,v (one c_attn storage), out, lse
+            n += T * 3 * qd * a + T * qd * a + shape.num_heads * T * 4  # q,k,v (one c_attn storage), out, lse
             n += padding_mask_bytes(shape, b, s, a) if padded and attention == "sdpa" else 0
             n += lora_extra(["c_attn", "c_proj"])
             n += T * h * res + 2 * small  # ln_2 input
@@ -1032,6 +1033,27 @@ def _pipeline_candidates(spec: JobSpec, shape: ModelShape) -> list[tuple[str, st
     return out
 
 
+def _tensor_candidates(spec: JobSpec, shape: ModelShape) -> list[tuple[str, str, int, dict[str, Any]]]:
+    """Tensor parallelism over the job's workers: size = num_workers, then its largest other divisor (the
+    rest FSDP2 replicas), where the model's heads, key/value heads and MLP columns split evenly over that
+    many ranks (tensor_problem); what else the tensor strategy refuses (fp16, PEFT other than LoRA, a
+    chunked loss, activation offload) the spec rules refuse when the candidate is planned. Its plan is one
+    rank's share (tensor_parallel.rank_shape). Dearer than a pipeline: two all-reduces of the hidden
+    states per block, forward and backward, where the pipeline sends one per stage boundary."""
+    t = spec.training
+    n = t.resources.num_workers
+    if t.strategy == StrategyName.tensor or n < 2:
+        return []
+    out = []
+    for size in [d for d in range(n, 1, -1) if n % d == 0][:2]:
+        if tensor_problem(shape.family, shape.num_heads, shape.num_kv_heads, shape.intermediate, size):
+            continue
+        replicas = f", {n // size} FSDP2 replicas" if n // size > 1 else ""
+        out.append((f"tensor_{size}", f"tensor parallel: every block's heads and MLP columns over {size} ranks{replicas}",
+                    6, {"training.strategy": "tensor", "training.tensor_parallel.size": size}))
+    return out
+
+
 def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_margin: float = 0.10,
             limit: int = 8, seq_length: int | None = None, padded: bool = False, nodes=None) -> list[Change]:
     """Changes that would make ``spec`` fit, cheapest first, each with its predicted peak.
@@ -1041,9 +1063,12 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
     """
     found: list[Change] = []
     singles = []
-    for name, desc, cost, patch in [*_candidates(spec, gpu), *_pipeline_candidates(spec, shape)]:
+    for name, desc, cost, patch in [*_candidates(spec, gpu), *_pipeline_candidates(spec, shape),
+                                    *_tensor_candidates(spec, shape)]:
         try:
             s2 = _patched(spec, patch)
+            if check_rules(s2):  # a change the service would refuse with a 422 is no suggestion
+                continue
             p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded, nodes=nodes)
         except Exception:  # noqa: BLE001 - a candidate the spec rules refuse is simply not offered
             continue
@@ -1059,9 +1084,13 @@ def suggest(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, safety_
         if any(name.startswith(p) for p in ("micro_batch_", "workers_")) and any(
                 n.startswith(name.split("_")[0]) for n in names):
             continue
+        if "training.strategy" in patch and "training.strategy" in combo_patch:
+            continue  # one strategy: a second would replace the first, not add to it
         trial = {**combo_patch, **patch}
         try:
             s2 = _patched(spec, trial)
+            if check_rules(s2):
+                continue
             p = plan(s2, shape, gpu, safety_margin=safety_margin, seq_length=seq_length, padded=padded, nodes=nodes)
         except Exception:  # noqa: BLE001
             continue

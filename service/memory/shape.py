@@ -102,7 +102,8 @@ class ModelShape:
         """(in, out) features of each linear in one block, by the HF module name."""
         h, i, q, kv = self.hidden, self.intermediate, self.q_dim, self.kv_dim
         if self.family == "gpt2":
-            return {"c_attn": (h, 3 * h), "attn.c_proj": (h, h), "c_fc": (h, i), "mlp.c_proj": (i, h)}
+            # q = h, except for a tensor-parallel rank's share (service/memory/tensor_parallel.py: rank_shape)
+            return {"c_attn": (h, 3 * q), "attn.c_proj": (q, h), "c_fc": (h, i), "mlp.c_proj": (i, h)}
         return {
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
@@ -123,7 +124,7 @@ class ModelShape:
         h, i, q, kv = self.hidden, self.intermediate, self.q_dim, self.kv_dim
         norm = [self.hidden] * (2 if self.norm == "layernorm" else 1)  # weight (, bias)
         if self.family == "gpt2":  # ln_1, attn (c_attn, c_proj), ln_2, mlp (c_fc, c_proj), all with biases
-            return [*norm, h * 3 * h, 3 * h, h * h, h, *norm, h * i, i, i * h, h]
+            return [*norm, h * 3 * q, 3 * q, q * h, h, *norm, h * i, i, i * h, h]
         attn: list[int] = []
         for din, dout, bias in ((h, q, self.attention_bias), (h, kv, self.attention_bias),
                                 (h, kv, self.attention_bias), (q, h, self.o_bias)):

@@ -28,7 +28,8 @@ def rank_shape(shape: ModelShape, size: int) -> ModelShape:
     embeddings, the norms and the LM head whole (replicated).
 
     This is exactly the worker's split (workers/strategies/tensor.py): ColwiseParallel shards q/k/v/
-    gate/up and their biases on the output features, RowwiseParallel o/down on the input features with
+    gate/up (GPT-2: c_attn, regrouped so the share is the rank's heads' q, k and v, and c_fc) and their
+    biases on the output features, RowwiseParallel o/down (GPT-2: both c_proj) on the input features with
     their biases replicated; a LoRA adapter on a column-wise layer keeps lora_A [r, in] whole and lora_B
     [out/size, r] sharded, on a row-wise one lora_A [r, in/size] sharded and lora_B [out, r] whole —
     each of which is this shape's own linear of (in, out) features. The activations follow: the

@@ -21,19 +21,31 @@ heads, so their gradients are summed over the tp group.
 How a step is computed: the same loss scaling as DDP (workers/steps.py) with the world's label tokens,
 which counts each replica's tokens ``size`` times; the gradient of a replica is therefore 1/dp of its
 share, and FSDP2's reduce (a mean over dp) or nothing (dp = 1) gives the global batch's gradient.
-GPT-2 is not split: its projections are transformers' Conv1D, which ColwiseParallel/RowwiseParallel
-do not partition (service/domain/training.py: TENSOR_FAMILIES).
+GPT-2's blocks are transformers' Conv1D ([in, out] weights, x @ W + b), which torch's styles do not
+take: ``Conv1DColwise``/``Conv1DRowwise`` shard them on the same features (weight dim 1 and the bias for
+column-wise, weight dim 0 for row-wise, its bias replicated). Its c_attn is q, k and v fused in one
+[q | k | v] output that the attention splits at ``split_size``: the columns are regrouped before the split
+(``fused_qkv_order``) so that rank r's contiguous share is [q_r | k_r | v_r], its own heads', and each
+attention's ``split_size`` becomes the rank's width. The regrouped order is what the checkpoints hold (a
+job resumes at the tensor-parallel size it ran with); the export restores the model's own order.
+
+Dropout inside the split attention (GPT-2's attn_pdrop, a Llama's attention_dropout): every rank's
+generator is in the same state and its heads' tensor has the same shape, so without care rank r's heads
+would get exactly the masks of every other rank's heads. ``sync_dropout`` gives the heads a stream of
+each rank's own and puts the shared state back before the output projection, so the replicated residual
+stream's dropout still draws the same numbers on every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from service.domain.training import TENSOR_COLWISE, TENSOR_ROWWISE, tensor_problem
+from service.domain.training import TENSOR_LAYERS, tensor_problem
 from workers import checkpoint as ckpt
 from workers.args import TrainArgs
 from workers.data import step_batches
@@ -90,35 +102,170 @@ def make_mesh(world: int, rank: int, size: int | None, device: torch.device) -> 
     return TPMesh(size, world // size, rank // size, mesh)
 
 
+def split_dims(cfg) -> tuple[int, int, int]:
+    """(attention heads, key/value heads, MLP columns) of a transformers config."""
+    heads = cfg.num_attention_heads
+    if cfg.model_type == "gpt2":
+        return heads, heads, cfg.n_inner or 4 * cfg.n_embd
+    return heads, getattr(cfg, "num_key_value_heads", None) or heads, cfg.intermediate_size
+
+
+def check_split(cfg, size: int) -> None:
+    problem = tensor_problem(cfg.model_type, *split_dims(cfg), size)
+    if problem:
+        raise ValueError(problem)
+
+
+def _blocks(lm) -> list:
+    return list(lm.transformer.h) if lm.config.model_type == "gpt2" else list(lm.model.layers)
+
+
+def _layers(lm):
+    """(block, dotted name under the block, module, "colwise" | "rowwise") of every split layer."""
+    table = TENSOR_LAYERS[lm.config.model_type]
+    for block in _blocks(lm):
+        for name, style in table.items():
+            yield block, name, block.get_submodule(name), style
+
+
+def _conv1d_styles():
+    """Column- and row-wise styles for transformers' Conv1D, whose weight is [in, out] (torch's styles
+    take nn.Linear's [out, in]): the same features split, the same input and output layouts."""
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def partition(placements: dict[str, object]):
+        def fn(name, module, mesh):
+            for pname, param in list(module.named_parameters(recurse=False)):
+                module.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(param, mesh, [placements[pname]]), requires_grad=param.requires_grad))
+        return fn
+
+    class Conv1DColwise(ColwiseParallel):
+        def _apply(self, module, device_mesh):
+            return distribute_module(
+                module, device_mesh, partition({"weight": Shard(1), "bias": Shard(0)}),
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    class Conv1DRowwise(RowwiseParallel):
+        def _apply(self, module, device_mesh):
+            self.desired_input_layouts = (Shard(-1),)
+            return distribute_module(
+                module, device_mesh, partition({"weight": Shard(0), "bias": Replicate()}),
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    return Conv1DColwise, Conv1DRowwise
+
+
 def tensor_plan(model) -> dict[str, object]:
     """The ``parallelize_module`` plan of every decoder block, keyed by module path under the model:
     the base layer and the LoRA factor that shares its split (module docstring)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from transformers.pytorch_utils import Conv1D
 
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = lm.config
-    problem = tensor_problem(cfg.model_type, cfg.num_attention_heads,
-                             getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                             cfg.intermediate_size, 1)
-    if problem:
-        raise ValueError(problem)
+    check_split(lm.config, 1)
+    conv_col, conv_row = _conv1d_styles()
     names = {id(m): n for n, m in model.named_modules()}
     plan: dict[str, object] = {}
-    for layer in lm.model.layers:
-        for part in (layer.self_attn, layer.mlp):
-            for short, style, lora in [*((c, ColwiseParallel, "lora_B") for c in TENSOR_COLWISE),
-                                       *((r, RowwiseParallel, "lora_A") for r in TENSOR_ROWWISE)]:
-                m = getattr(part, short, None)
-                if m is None:
-                    continue
-                path = names[id(m)]
-                if hasattr(m, "base_layer"):  # a peft LoRA layer: its base and one of its factors split
-                    plan[f"{path}.base_layer"] = style()
-                    for key in getattr(m, lora):
-                        plan[f"{path}.{lora}.{key}"] = style()
-                else:
-                    plan[path] = style()
+    for _, _, m, style in _layers(lm):
+        linear, conv = (ColwiseParallel, conv_col) if style == "colwise" else (RowwiseParallel, conv_row)
+        path = names[id(m)]
+        base = m.base_layer if hasattr(m, "base_layer") else m
+        split = conv if isinstance(base, Conv1D) else linear
+        if hasattr(m, "base_layer"):  # a peft LoRA layer: its base and one of its factors (nn.Linear) split
+            plan[f"{path}.base_layer"] = split()
+            for key in getattr(m, "lora_B" if style == "colwise" else "lora_A"):
+                plan[f"{path}.{'lora_B' if style == 'colwise' else 'lora_A'}.{key}"] = linear()
+        else:
+            plan[path] = split()
     return plan
+
+
+def fused_qkv_order(width: int, size: int) -> torch.Tensor:
+    """The column order of a fused [q | k | v] output (each ``width`` wide) whose contiguous 1/size
+    shares are [q_r | k_r | v_r]: rank r's own heads of each."""
+    part = width // size
+    return torch.cat([torch.arange(p * width + r * part, p * width + (r + 1) * part)
+                      for r in range(size) for p in range(3)])
+
+
+def _fused_attention(lm) -> list:
+    """The attentions whose q, k and v are one fused layer (GPT-2's c_attn)."""
+    return [b.attn for b in _blocks(lm)] if lm.config.model_type == "gpt2" else []
+
+
+@torch.no_grad()
+def regroup_fused_qkv(model, size: int) -> None:
+    """GPT-2: every c_attn's output columns (the Conv1D weight's dim 1, its bias, a LoRA B's rows) put in
+    ``fused_qkv_order``, and the attention's split at the rank's width, before the model is split."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for attn in _fused_attention(lm):
+        order = fused_qkv_order(attn.split_size, size)
+        m = attn.c_attn
+        base = m.base_layer if hasattr(m, "base_layer") else m
+        base.weight.copy_(base.weight[:, order])
+        base.bias.copy_(base.bias[order])
+        for b in getattr(m, "lora_B", {}).values():
+            b.weight.copy_(b.weight[order])
+            if b.bias is not None:
+                b.bias.copy_(b.bias[order])
+        attn.split_size //= size
+
+
+def restore_order(model, size: int):
+    """The inverse of ``regroup_fused_qkv`` for the export: (name, full tensor) -> the tensor in the
+    model's own column order. None where nothing was regrouped."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not _fused_attention(lm):
+        return None
+    order = fused_qkv_order(lm.config.n_embd, size)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+
+    def restore(name: str, t: torch.Tensor) -> torch.Tensor:
+        if ".c_attn." not in name:
+            return t
+        if ".lora_B." in name or name.endswith("c_attn.bias") or name.endswith("c_attn.base_layer.bias"):
+            return t[inverse]
+        if name.endswith("c_attn.weight") or name.endswith("c_attn.base_layer.weight"):
+            return t[:, inverse]
+        return t  # lora_A: its input features are the hidden width, not regrouped
+
+    return restore
+
+
+def _attention_dropout(cfg) -> float:
+    return float(getattr(cfg, "attn_pdrop", None) or getattr(cfg, "attention_dropout", None) or 0.0)
+
+
+def sync_dropout(lm, tp_rank: int, device: torch.device) -> None:
+    """Where the split attention drops out (p > 0): on entering each attention the generator's state is
+    kept and the heads get a stream of this rank's own (a seed drawn from the shared stream, plus the tp
+    rank); before the row-wise output projection the kept state is put back, so the residual stream's
+    dropout after it draws the same numbers on every rank. Under checkpointing the recomputation
+    replays the same states (torch.utils.checkpoint restores the generator before it)."""
+    if not _attention_dropout(lm.config):
+        return
+    rng = torch.cuda if device.type == "cuda" else torch
+    kept: list = []
+
+    def enter(_module, _args):
+        seed = int(torch.randint(0, 2**62, (1,), device=device))  # the same on every rank of the group
+        kept.append(rng.get_rng_state())
+        rng.manual_seed(seed + tp_rank)
+
+    def leave(_module, _args):
+        rng.set_rng_state(kept.pop())
+
+    for block, name, m, style in _layers(lm):
+        parent = name.rpartition(".")[0]
+        if style == "rowwise" and "attn" in parent:  # the attention's output projection
+            block.get_submodule(parent).register_forward_pre_hook(enter)
+            m.register_forward_pre_hook(leave)
 
 
 def parallelize(model, tp: TPMesh, device: torch.device, amp: bool):
@@ -126,15 +273,12 @@ def parallelize(model, tp: TPMesh, device: torch.device, amp: bool):
     layer and at the root. Returns the model (the same object)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    cfg = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
-    size = tp.size
-    problem = tensor_problem(cfg.model_type, cfg.num_attention_heads,
-                             getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                             cfg.intermediate_size, size)
-    if problem:
-        raise ValueError(problem)
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check_split(lm.config, tp.size)
+    regroup_fused_qkv(model, tp.size)
     model = model.to(device)
     parallelize_module(model, tp.tp_mesh, tensor_plan(model))
+    sync_dropout(lm, tp.tp_mesh.get_local_rank(), device)
     if tp.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -253,7 +397,7 @@ def train_tensor(args: TrainArgs, env: WorkerEnv) -> dict:
                     input_tokens=input_tokens if env.rank % tp.size == 0 else 0, memory=memory,
                     save_state=lambda d, step=step: save_state(d, step),
                     eval_fn=lambda: evaluate(model, s.val, args, replica_env, amp_dtype))
-    artifacts = export_tensor(args, env, model, s.model_dir, s.tokenizer)
+    artifacts = export_tensor(args, env, model, s.model_dir, s.tokenizer, tp.size)
     barrier()
     report_result(args, env, progress, artifacts, s.total_steps)
     return artifacts
@@ -273,11 +417,15 @@ def adapter_state(model, rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_tensor(args: TrainArgs, env: WorkerEnv, model, model_dir: str, tokenizer) -> dict:
+def export_tensor(args: TrainArgs, env: WorkerEnv, model, model_dir: str, tokenizer, tp_size: int) -> dict:
     """One ordinary Hugging Face folder, as FSDP2 writes it: the small adapter gathered whole and exported
     (and merged) by rank 0 from the rebuilt base; a full fine-tune gathered one tensor at a time and
-    streamed to safetensors files by rank 0 (checkpoint.export_model_streamed), never the whole model."""
+    streamed to safetensors files by rank 0 (checkpoint.export_model_streamed), never the whole model;
+    GPT-2's regrouped c_attn put back in its own order (``restore_order``)."""
+    restore = restore_order(model, tp_size)
     if args.is_peft:
         state = adapter_state(model, env.rank)
+        if restore:
+            state = {name: restore(name, t) for name, t in state.items()}
         return ckpt.export_artifacts(args, state, model_dir, tokenizer) if env.rank == 0 else {}
-    return ckpt.export_model_streamed(args, model, model_dir, tokenizer, env.rank)
+    return ckpt.export_model_streamed(args, model, model_dir, tokenizer, env.rank, restore=restore)
