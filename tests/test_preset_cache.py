@@ -139,12 +139,11 @@ def test_abandoned_builds_of_a_crashed_builder_are_swept(tmp_path):
 # --- the real preset, on a cold cache --------------------------------------------------------------
 
 _PRESET = textwrap.dedent("""
-    import sys, time
+    import sys
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    start_at = float(sys.argv[1])
-    while time.time() < start_at:
-        time.sleep(0.005)
     from workers.models import build_preset
+    print("ready", flush=True)
+    sys.stdin.readline()  # every racer is imported and waiting: the test lets them go at once
     d = build_preset("preset:tiny-llama")
     AutoModelForCausalLM.from_pretrained(d)
     AutoTokenizer.from_pretrained(d)
@@ -158,9 +157,13 @@ def test_racing_ranks_build_the_tiny_preset_once_on_a_cold_cache_then_from_a_poi
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MEMFIT_PRESET_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
 
     def race(n: int) -> set[str]:
-        start_at = time.time() + 20.0  # after every interpreter has imported torch and transformers
-        procs = [subprocess.Popen([sys.executable, "-c", _PRESET, str(start_at)], stdout=subprocess.PIPE,
+        procs = [subprocess.Popen([sys.executable, "-c", _PRESET], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env) for _ in range(n)]
+        for p in procs:  # every interpreter has imported torch, transformers and memfit's builder
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()[-3000:]
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
         outs = set()
         for p in procs:
             out, err = p.communicate(timeout=300)
