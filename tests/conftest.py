@@ -31,6 +31,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _preset_cache(tmp_path_factory):
+    """One preset cache for the session, set before any Ray head or worker process starts (they
+    inherit it): the tiny presets are built once, into CI's cold folder where it sets
+    MEMFIT_PRESET_CACHE, else into a folder of this session, never the user's; and the hub offline."""
+    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
 @pytest.fixture(scope="session")
 def pg_admin_url():
     """Admin URL of the session's Postgres server: MEMFIT_TEST_PG_ADMIN's when it answers, else that

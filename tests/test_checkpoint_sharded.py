@@ -24,12 +24,6 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _preset_cache(tmp_path_factory):
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def qwen2_dir():
     """Tied input/output embeddings: the export writes the shared weight once."""

@@ -22,12 +22,6 @@ from workers.args import TrainArgs  # noqa: E402
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _preset_cache(tmp_path_factory):
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
 def _args(out, **kw) -> TrainArgs:
     base = dict(job_id="ftjob-chunk", output_dir=str(out), training_path=str(EXAMPLES / "chat.jsonl"),
                 model="preset:tiny-llama", learning_rate=1e-2, micro_batch_size=2, max_steps=3, max_seq_length=64,

@@ -25,8 +25,7 @@ UNCACHED = "memfit-tests/never-downloaded-model"  # a valid hub id that no cache
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
+def tiny_llama() -> Path:
     from workers.models import build_preset
 
     return build_preset("preset:tiny-llama")

@@ -5,7 +5,6 @@ The HTTP and Ray path is tests/test_e2e.py -k pipeline."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,6 @@ from workers.args import TrainArgs  # noqa: E402
 from workers.local import run_local  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _preset_cache(tmp_path_factory):
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _args(out: Path, **kw) -> TrainArgs:

@@ -5,7 +5,6 @@ on the int4 grid) is tests/test_workers_train.py::test_qat_trains_…."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -16,12 +15,6 @@ from service.domain.spec import JobSpec, RunRequest  # noqa: E402
 from workers.args import train_args  # noqa: E402
 
 DYN, WEIGHT_ONLY = "int8-dynamic-act-int4-weight", "int4-weight-only"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _preset_cache(tmp_path_factory):
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def qat_args(tmp_path, scheme: str | None, group_size: int = 16, model: str = "preset:tiny-llama"):

@@ -4,7 +4,6 @@ strategy function the Ray workers run (workers/local.py run_local), one process.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,6 @@ pytest.importorskip("bitsandbytes")
 from tests.test_workers_train import _args as train_args  # noqa: E402
 from workers.args import TrainArgs  # noqa: E402
 from workers.local import run_local  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _preset_cache(tmp_path_factory):
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _args(tmp_path, **kw) -> TrainArgs:

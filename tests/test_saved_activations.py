@@ -14,7 +14,6 @@ LoHa and LoKr keep each target's whole delta weight.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -23,12 +22,6 @@ torch = pytest.importorskip("torch")
 from service.domain.spec import JobSpec, RunRequest  # noqa: E402
 from service.memory.planner import ACTIVATION_SIZES, _lora_targets, activations, method_terms  # noqa: E402
 from service.memory.shape import shape_from_config  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _preset_cache(tmp_path_factory):
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _block_saved_bytes(model, b: int, s: int) -> list[int]:

@@ -78,11 +78,6 @@ def run_local():
     return run_local
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _preset_cache(tmp_path_factory):
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
-
-
 def _args(out: Path, **kw):
     from workers.args import TrainArgs
 

@@ -29,10 +29,7 @@ CHAT_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    import os
-
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
+def tokenizer():
     from workers.models import build_preset, load_tokenizer
 
     return load_tokenizer(str(build_preset("preset:tiny-llama")))

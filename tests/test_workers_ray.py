@@ -24,10 +24,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def presets(tmp_path_factory):
+def presets():
     """A preset cache the Ray workers share (they inherit the environment of the head, so pass the
     path in the request's model_path instead: the built directory)."""
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
     from workers.models import build_preset
 
     return {name: str(build_preset(f"preset:{name}")) for name in ("tiny-llama", "tiny-qwen2")}

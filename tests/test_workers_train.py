@@ -4,7 +4,6 @@ bf16 with gradient checkpointing. The same strategy functions the Ray workers ru
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,6 @@ from workers.args import TrainArgs  # noqa: E402
 from workers.local import run_local  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _preset_cache(tmp_path_factory):
-    os.environ.setdefault("MEMFIT_PRESET_CACHE", str(tmp_path_factory.mktemp("presets")))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _args(tmp_path, **kw) -> TrainArgs:
