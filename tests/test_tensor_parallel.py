@@ -42,15 +42,19 @@ def test_a_model_whose_heads_the_ranks_cannot_share_is_refused_by_field():
 
 
 def test_each_rank_holds_its_share_of_every_block_and_the_rest_whole():
-    """small-llama over 2 ranks: q/k/v/o/gate/up/down halved, embeddings, norms and LM head whole; the
-    optimizer's two moments of what each rank trains; the plan still names the whole model's counts."""
+    """small-llama over 2 ranks: q/k/v/o/gate/up/down halved, and (8000 divides by 2) the embedding's and
+    the LM head's vocabulary rows; the norms whole; the optimizer's two moments of what each rank trains;
+    the plan still names the whole model's counts. Over 3 ranks (3 ∤ 8000) the embedding and head whole."""
     from service.domain.model_ref import resolve_model
     from service.memory.shape import shape_for_model
+    from service.memory.tensor_parallel import rank_shape
 
     shape = shape_for_model(resolve_model("preset:small-llama", ()))
-    h, i, q, kv, L = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, shape.num_layers
-    split = L * (h * q + 2 * h * kv + q * h + 3 * h * i)
+    h, i, q, kv, L, V = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, shape.num_layers, shape.vocab
+    assert not shape.tied_embeddings and V == 8000
+    split = L * (h * q + 2 * h * kv + q * h + 3 * h * i) + 2 * V * h  # the blocks, the embedding and the head
     whole = shape.parameter_count() - split
+    assert rank_shape(shape, 3).vocab == V and rank_shape(shape, 2).vocab == V // 2
     tp = _plan(TP)
     assert tp.parameter_count == shape.parameter_count()
     assert tp.model_states.device.parameters == (split // 2 + whole) * 4

@@ -566,8 +566,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     if t.strategy == StrategyName.tensor:  # one rank of a tensor-parallel group: a model of 1/size the heads and columns
         tp = check_tensor(spec, shape)
         shape, N = rank_shape(shape, tp), N // tp
-        assumptions_tp = [f"tensor parallel: {tp} ranks each hold 1/{tp} of every block's heads and MLP columns and "
-                          f"the embeddings, norms and LM head whole; {N} data-parallel replica(s)"
+        vocab = (f"1/{tp} of the vocabulary's embedding rows, LM head and logits (cross-entropy under loss_parallel)"
+                 if shape.vocab != model_shape.vocab else "the embeddings and LM head whole")
+        assumptions_tp = [f"tensor parallel: {tp} ranks each hold 1/{tp} of every block's heads and MLP columns, "
+                          f"{vocab} and the norms whole; {N} data-parallel replica(s)"
                           + (" sharded by FSDP2" if N > 1 else "")]
     Pt = trainable_parameters(spec, shape)
     # PEFT adds its adapter to the frozen base: the model holds both.
