@@ -1,9 +1,11 @@
 """Tensor parallelism: every decoder block split over ``size`` ranks with DTensor's
 ``parallelize_module`` — q/k/v/gate/up column-wise (each rank computes its own query and key/value
 heads and its share of the MLP's columns), o/down row-wise (each rank multiplies its share of the
-input features and the partial outputs are all-reduced). The embeddings, the norms and the LM head
-stay replicated: every rank holds them whole and computes them on the same input, so their gradients
-agree without a reduction. With ``num_workers = dp × size`` the tensor-parallel model is replicated
+input features and the partial outputs are all-reduced). Where the vocabulary divides by ``size``
+(``vocab_parallel``) the token embedding and the LM head are split over it too and the loss runs on the
+vocabulary-sharded logits under ``loss_parallel`` (``vocab_plan``); otherwise they stay replicated. The
+norms (and GPT-2's position embedding) stay replicated: every rank holds them whole and computes them on
+the same input, so their gradients agree without a reduction. With ``num_workers = dp × size`` the tensor-parallel model is replicated
 ``dp`` times and FSDP2 shards each rank's share over the replicas (torchtitan's composition: a 2-D
 DeviceMesh ("dp", "tp"), ``parallelize_module`` on the tp sub-mesh, then ``fully_shard`` on dp).
 
