@@ -264,10 +264,11 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
 
             pipeline_step(pp, _batches(case, vocab, step, 0), optimizer, scheduler, args.max_grad_norm, device, tel)
         elif case.strategy in ("tp2", "dp2tp2"):  # a replica's two ranks read the same rows
-            from workers.strategies.tensor import clip_and_step
+            from workers.strategies.tensor import clip_and_step, loss_context
 
-            W.accumulate_gradients(model, _batches(case, vocab, step, rank // 2), device=device, world_size=case.world,
-                                   amp_dtype=amp, tel=tel)
+            with loss_context(model, 2):  # cross-entropy on the vocabulary-sharded logits, as the worker's loop
+                W.accumulate_gradients(model, _batches(case, vocab, step, rank // 2), device=device,
+                                       world_size=case.world, amp_dtype=amp, tel=tel)
             clip_and_step(model, optimizer, scheduler, args.max_grad_norm)
         elif engine is None:
             W.accumulate_gradients(model, _batches(case, vocab, step, rank), device=device, world_size=case.world,

@@ -42,15 +42,19 @@ def test_a_model_whose_heads_the_ranks_cannot_share_is_refused_by_field():
 
 
 def test_each_rank_holds_its_share_of_every_block_and_the_rest_whole():
-    """small-llama over 2 ranks: q/k/v/o/gate/up/down halved, embeddings, norms and LM head whole; the
-    optimizer's two moments of what each rank trains; the plan still names the whole model's counts."""
+    """small-llama over 2 ranks: q/k/v/o/gate/up/down halved, and (8000 divides by 2) the embedding's and
+    the LM head's vocabulary rows; the norms whole; the optimizer's two moments of what each rank trains;
+    the plan still names the whole model's counts. Over 3 ranks (3 ∤ 8000) the embedding and head whole."""
     from service.domain.model_ref import resolve_model
     from service.memory.shape import shape_for_model
+    from service.memory.tensor_parallel import rank_shape
 
     shape = shape_for_model(resolve_model("preset:small-llama", ()))
-    h, i, q, kv, L = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, shape.num_layers
-    split = L * (h * q + 2 * h * kv + q * h + 3 * h * i)
+    h, i, q, kv, L, V = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim, shape.num_layers, shape.vocab
+    assert not shape.tied_embeddings and V == 8000
+    split = L * (h * q + 2 * h * kv + q * h + 3 * h * i) + 2 * V * h  # the blocks, the embedding and the head
     whole = shape.parameter_count() - split
+    assert rank_shape(shape, 3).vocab == V and rank_shape(shape, 2).vocab == V // 2
     tp = _plan(TP)
     assert tp.parameter_count == shape.parameter_count()
     assert tp.model_states.device.parameters == (split // 2 + whole) * 4
@@ -126,6 +130,68 @@ def test_tensor_parallel_trains_exactly_as_one_process(tmp_path, run_local, mode
             want = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "model")(ids).logits
             got = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "model")(ids).logits
         assert torch.allclose(got, want, atol=1e-3)
+
+
+def _vocab_step(rank: int, world: int, port: int, out: str) -> None:
+    """One forward and backward of tiny-gpt2 split over ``world`` ranks, as the loop runs it: what the
+    logits, the tied embedding/head and the step's collectives look like on this rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from workers.models import resolve_model_dir
+    from workers.steps import forward_loss_sum
+    from workers.strategies.common import build_model
+    from workers.strategies.tensor import loss_context, make_mesh, parallelize
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cpu = torch.device("cpu")
+        torch.manual_seed(0)
+        model = parallelize(build_model(_args(Path(out), model="preset:tiny-gpt2"),
+                                        resolve_model_dir("preset:tiny-gpt2", None)), make_mesh(world, rank, world, cpu),
+                            cpu, False)
+        ids = torch.randint(0, 512, (2, 16))
+        labels = ids.clone()
+        labels[:, :4] = -100
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+        logits: list = []
+        model.lm_head.register_forward_hook(lambda _m, _a, o: logits.append(o))
+        with CommDebugMode() as comms, loss_context(model, world):
+            loss = forward_loss_sum(model, batch, cpu, None)
+            loss.backward()
+        wte = model.transformer.wte.weight
+        torch.save({"logits_local": tuple(logits[0].to_local().shape), "logits_global": tuple(logits[0].shape),
+                    "tied": model.lm_head.weight is wte, "wte_local": tuple(wte.to_local().shape),
+                    "wpe_local": tuple(getattr(model.transformer.wpe.weight, "_local_tensor", model.transformer.wpe.weight).shape),
+                    "comms": {str(k): v for k, v in comms.get_comm_counts().items()}, "loss": float(loss)},
+                   Path(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_vocabulary_is_split_and_its_logits_never_gathered(tmp_path):
+    """tiny-gpt2 (vocabulary 512, embedding and head tied) over 2 ranks: each holds 256 rows of the one
+    tied weight (the position embedding whole), its logits are a DTensor whose local share is 256 wide,
+    and no collective of the step gathers anything: cross-entropy and its backward reduce over the
+    group under loss_parallel (without it, F.cross_entropy would all-gather the logits to replicate them)."""
+    torch = pytest.importorskip("torch")
+    import torch.multiprocessing as mp
+
+    from workers.local import _free_port
+    from workers.models import build_preset
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    build_preset("preset:tiny-gpt2")
+    mp.start_processes(_vocab_step, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        assert r["logits_global"] == (2, 16, 512) and r["logits_local"] == (2, 16, 256)
+        assert r["tied"] and r["wte_local"] == (256, 64) and r["wpe_local"] == (1024, 64)
+        assert not [k for k in r["comms"] if "gather" in k], r["comms"]
+    assert ranks[0]["loss"] == ranks[1]["loss"] > 0
 
 
 def test_gpt2_lora_on_the_fused_attention_matches_ddp_and_merges_in_order(tmp_path, run_local):

@@ -132,7 +132,10 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = logits[:, -labels.shape[1] :]
     shift_labels = shifted_labels(labels.to(logits.device, non_blocking=True))
     flat = logits.reshape(-1, logits.shape[-1]).float()
-    return F.cross_entropy(flat, shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
+    loss = F.cross_entropy(flat, shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
+    # logits sharded on the vocabulary (strategy tensor, under loss_parallel) give a DTensor replicated
+    # over the group: each rank's local value is already the whole sum
+    return loss.to_local() if hasattr(loss, "to_local") else loss
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:

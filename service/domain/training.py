@@ -8,6 +8,7 @@
 - :func:`deepspeed_buckets`: the ZeRO communication buffer sizes memfit sets (and the planner counts).
 - :func:`loss_chunk_problem`: which models the chunked cross-entropy cannot run on.
 - :func:`qat_problem`: which models QAT's group size cannot quantise.
+- :func:`tensor_problem`, :func:`vocab_parallel`: what strategy tensor splits, and whether the vocabulary too.
 
 Dtypes are named as strings ("float32", "bfloat16", "float16", and "nf4" for QLoRA's 4-bit base);
 the workers turn the names into torch dtypes. Strategy, method and precision are the spec's enum
@@ -274,3 +275,11 @@ def tensor_problem(family: str, heads: int, kv_heads: int, intermediate: int, si
         if n % size:
             return f"tensor_parallel.size {size} must divide the model's {what} ({n})"
     return None
+
+
+def vocab_parallel(vocab: int, size: int) -> bool:
+    """Whether strategy tensor also splits the token embedding, the LM head and the loss over the
+    vocabulary (torch's loss_parallel: each rank holds vocab/size rows and logits, cross-entropy reduces
+    over the group without gathering them): where ``size`` divides the vocabulary evenly. Elsewhere they
+    stay whole on every rank, as before; nothing is refused."""
+    return size > 1 and vocab % size == 0

@@ -148,7 +148,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 padded: bool = False, loss_chunk_tokens: int | None = None,
                 qat: tuple[int, bool] | None = None, ia3_feedforward: frozenset[str] | None = None,
                 prefix_tokens: int = 0, nf4_base: bool = False, on_gpu: bool = True,
-                lycoris: bool = False) -> Activations:
+                lycoris: bool = False, loss_parallel: bool = False) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -168,6 +168,9 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     itself keeps nothing (autograd saves a matmul's input only for its weight's gradient).
     ``prefix_tokens``: prefix tuning's virtual tokens, which peft hands every block as past keys and values
     (see the attention term).
+    ``loss_parallel``: the logits are a DTensor sharded on the vocabulary (strategy tensor, ``vocab_parallel``)
+    and cross-entropy runs under torch's loss_parallel (torch/distributed/tensor/parallel/loss.py), which
+    builds the log-softmax and its backward from their parts instead of aten's fused kernels: see the loss terms.
     ``lycoris``: LoHa or LoKr. peft builds each target's whole delta weight (loha/layer.py: HadaWeight keeps
     only its factors; lokr: torch.kron) and runs ``F.linear(x, delta_weight)`` (``_get_delta_activations``),
     which keeps the out × in delta weight (its compute-dtype copy under autocast) beside the input; there is
@@ -324,6 +327,15 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     logits = T * V * (4 if regime.name == "fp32" else 2)
     loss_copy = 0 if regime.name == "fp32" else T * V * 4  # fp32: a view; 16-bit logits: .float() copies
     loss_grad = 2 * T * V * 4
+    if loss_parallel:  # V is the rank's share of the vocabulary
+        # forward (_log_softmax): ``shifted = x - max`` lives on beside ``exp(shifted)`` while the sum of
+        # exponentials is taken, and beside the result (the kept log-softmax) after: one fp32 T × V more than
+        # aten's fused log-softmax, which writes its output only
+        loss_copy += T * V * 4
+        # backward (_nll_loss_and_log_softmax_backward, one op for nll_loss and log_softmax): a zeros_like with
+        # -1 at the targets, exp(log-softmax), their sum, then that × the incoming gradient while the local
+        # zeros tensor is still referenced: three fp32 T × V at once where aten's two ops hold two
+        loss_grad = 3 * T * V * 4
     if loss_chunk_tokens:
         # workers/chunked_loss.py runs each chunk of c tokens under non-reentrant checkpointing
         # (torch/utils/checkpoint.py): forward keeps only the chunk's input and targets, so the plain
@@ -566,8 +578,10 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     if t.strategy == StrategyName.tensor:  # one rank of a tensor-parallel group: a model of 1/size the heads and columns
         tp = check_tensor(spec, shape)
         shape, N = rank_shape(shape, tp), N // tp
-        assumptions_tp = [f"tensor parallel: {tp} ranks each hold 1/{tp} of every block's heads and MLP columns and "
-                          f"the embeddings, norms and LM head whole; {N} data-parallel replica(s)"
+        vocab = (f"1/{tp} of the vocabulary's embedding rows, LM head and logits (cross-entropy under loss_parallel)"
+                 if shape.vocab != model_shape.vocab else "the embeddings and LM head whole")
+        assumptions_tp = [f"tensor parallel: {tp} ranks each hold 1/{tp} of every block's heads and MLP columns, "
+                          f"{vocab} and the norms whole; {N} data-parallel replica(s)"
                           + (" sharded by FSDP2" if N > 1 else "")]
     Pt = trainable_parameters(spec, shape)
     # PEFT adds its adapter to the frozen base: the model holds both.
@@ -763,7 +777,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                           zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded,
                           loss_chunk_tokens=t.loss_chunk_tokens, nf4_base=qlora, on_gpu=on_gpu,
                           # prompt tuning's virtual tokens are trainable embeddings: the first block's input needs a gradient
-                          input_grad=t.peft.method == PeftMethod.prompt_tuning, **method_terms(spec, shape))
+                          input_grad=t.peft.method == PeftMethod.prompt_tuning,
+                          loss_parallel=strategy == "tensor" and shape.vocab != model_shape.vocab,
+                          **method_terms(spec, shape))
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     fullest = None
     for view, act, A in options:

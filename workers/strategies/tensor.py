@@ -1,9 +1,11 @@
 """Tensor parallelism: every decoder block split over ``size`` ranks with DTensor's
 ``parallelize_module`` — q/k/v/gate/up column-wise (each rank computes its own query and key/value
 heads and its share of the MLP's columns), o/down row-wise (each rank multiplies its share of the
-input features and the partial outputs are all-reduced). The embeddings, the norms and the LM head
-stay replicated: every rank holds them whole and computes them on the same input, so their gradients
-agree without a reduction. With ``num_workers = dp × size`` the tensor-parallel model is replicated
+input features and the partial outputs are all-reduced). Where the vocabulary divides by ``size``
+(``vocab_parallel``) the token embedding and the LM head are split over it too and the loss runs on the
+vocabulary-sharded logits under ``loss_parallel`` (``vocab_plan``); otherwise they stay replicated. The
+norms (and GPT-2's position embedding) stay replicated: every rank holds them whole and computes them on
+the same input, so their gradients agree without a reduction. With ``num_workers = dp × size`` the tensor-parallel model is replicated
 ``dp`` times and FSDP2 shards each rank's share over the replicas (torchtitan's composition: a 2-D
 DeviceMesh ("dp", "tp"), ``parallelize_module`` on the tp sub-mesh, then ``fully_shard`` on dp).
 
@@ -38,6 +40,7 @@ stream's dropout still draws the same numbers on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from functools import partial
@@ -45,7 +48,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from service.domain.training import TENSOR_LAYERS, tensor_problem
+from service.domain.training import TENSOR_LAYERS, tensor_problem, vocab_parallel
 from workers import checkpoint as ckpt
 from workers.args import TrainArgs
 from workers.data import step_batches
@@ -268,6 +271,39 @@ def sync_dropout(lm, tp_rank: int, device: torch.device) -> None:
             m.register_forward_pre_hook(leave)
 
 
+def splits_vocab(model, size: int) -> bool:
+    """Whether the embedding, the LM head and the loss are split over the vocabulary (``vocab_parallel``)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return vocab_parallel(lm.get_input_embeddings().num_embeddings, size)
+
+
+def vocab_plan(model, size: int) -> dict[str, object]:
+    """The token embedding and the LM head split over the vocabulary, torchtitan's ``apply_tp``: the
+    embedding row-wise (weight Shard(0): each rank looks up the tokens in its rows, zeros elsewhere, and
+    the partial outputs are all-reduced into the replicated residual stream), the head column-wise (weight
+    Shard(0) too) with its logits left a DTensor sharded on the vocabulary, which cross-entropy reads
+    under ``loss_parallel`` without gathering them. GPT-2's position embedding stays replicated. Empty
+    where the vocabulary does not divide evenly: both stay whole on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not splits_vocab(model, size):
+        return {}
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = {id(m): n for n, m in model.named_modules()}
+    return {names[id(lm.get_input_embeddings())]: RowwiseParallel(input_layouts=Replicate()),
+            names[id(lm.get_output_embeddings())]: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+
+
+def loss_context(model, size: int):
+    """Where the logits are sharded on the vocabulary, the context cross-entropy and its backward run in
+    (torch.distributed.tensor.parallel.loss_parallel: the log-softmax's max and sum of exponentials and the
+    target's logit are all-reduced over the group); otherwise none."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if splits_vocab(model, size) else contextlib.nullcontext()
+
+
 def parallelize(model, tp: TPMesh, device: torch.device, amp: bool):
     """The model split over the tp sub-mesh, then (dp > 1) FSDP2 over the dp sub-mesh per decoder
     layer and at the root. Returns the model (the same object)."""
@@ -277,7 +313,13 @@ def parallelize(model, tp: TPMesh, device: torch.device, amp: bool):
     check_split(lm.config, tp.size)
     regroup_fused_qkv(model, tp.size)
     model = model.to(device)
-    parallelize_module(model, tp.tp_mesh, tensor_plan(model))
+    head = lm.get_output_embeddings()
+    tied = head is not None and head.weight is lm.get_input_embeddings().weight
+    parallelize_module(model, tp.tp_mesh, {**tensor_plan(model), **vocab_plan(model, tp.size)})
+    if tied and head.weight is not lm.get_input_embeddings().weight:
+        # each style distributed its own copy of the shared weight (both Shard(0) over the vocabulary):
+        # one parameter again, whose gradient sums the lookup's and the head's, as the whole model's does
+        head.weight = lm.get_input_embeddings().weight
     sync_dropout(lm, tp.tp_mesh.get_local_rank(), device)
     if tp.dp > 1:
         from torch.distributed.fsdp import fully_shard
@@ -379,9 +421,10 @@ def train_tensor(args: TrainArgs, env: WorkerEnv) -> dict:
         t0 = time.perf_counter()
         try:
             tel.begin_step(step)
-            loss, _, input_tokens = accumulate_gradients(
-                model, batches, device=env.device, world_size=env.world_size, amp_dtype=amp_dtype, tel=tel,
-                where=where)
+            with loss_context(model, tp.size):  # the forward's cross-entropy and the backward through it
+                loss, _, input_tokens = accumulate_gradients(
+                    model, batches, device=env.device, world_size=env.world_size, amp_dtype=amp_dtype, tel=tel,
+                    where=where)
             where["phase"] = "optimizer"
             reduce_partial_grads(model, tp)
             lr = optimizer.param_groups[0]["lr"]
@@ -396,11 +439,16 @@ def train_tensor(args: TrainArgs, env: WorkerEnv) -> dict:
         finish_step(progress, step, loss=loss, lr=lr, grad_norm=grad_norm_, step_time_s=step_time_s,
                     input_tokens=input_tokens if env.rank % tp.size == 0 else 0, memory=memory,
                     save_state=lambda d, step=step: save_state(d, step),
-                    eval_fn=lambda: evaluate(model, s.val, args, replica_env, amp_dtype))
+                    eval_fn=lambda: evaluate_split(model, s.val, args, replica_env, amp_dtype, tp.size))
     artifacts = export_tensor(args, env, model, s.model_dir, s.tokenizer, tp.size)
     barrier()
     report_result(args, env, progress, artifacts, s.total_steps)
     return artifacts
+
+
+def evaluate_split(model, val, args: TrainArgs, env: WorkerEnv, amp_dtype, size: int) -> float | None:
+    with loss_context(model, size):
+        return evaluate(model, val, args, env, amp_dtype)
 
 
 def adapter_state(model, rank: int) -> dict[str, torch.Tensor]:
