@@ -200,6 +200,11 @@ def test_gpt2_lora_on_the_fused_attention_matches_ddp_and_merges_in_order(tmp_pa
     import torch
     from transformers import AutoModelForCausalLM
 
+    from workers.models import build_preset
+
+    # built here first: a spawned rank that builds the preset draws its random weights from the RNG that
+    # then initialises lora_A, and only DDP's run would be the one to build it on a cold cache
+    build_preset("preset:tiny-gpt2")
     kw = dict(model="preset:tiny-gpt2", peft_method="lora", learning_rate=1e-2, peft_targets=["c_attn", "c_proj", "c_fc"])
     ddp = _losses(run_local(_args(tmp_path / "ddp", micro_batch_size=2, **kw), world_size=2))
     ranks = run_local(_tensor(tmp_path / "tp", **kw), world_size=2)
