@@ -182,9 +182,9 @@ def test_serve_answers_before_its_ray_head_is_up_and_keeps_the_jobs_posted_meanw
                 early.json()
             assert early.headers["Retry-After"] in ("1", "2")
         deadline = time.monotonic() + 300
-        while (r := http.get("/readyz")).status_code != 200:
+        while (r := _readyz(http, proc, log)) is None or r.status_code != 200:
             assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, r.json()
+            assert time.monotonic() < deadline, r.json() if r is not None else "no answer"
             time.sleep(0.2)
         assert r.json()["ray"] == "ok"
         submitted = None
@@ -201,6 +201,19 @@ def test_serve_answers_before_its_ray_head_is_up_and_keeps_the_jobs_posted_meanw
     assert not (tmp_path / "storage" / "run" / "ray-readiness.json").exists()  # nothing stale for the next start
     with sqlite3.connect(tmp_path / "memfit.db") as db:
         assert db.execute("SELECT attempt FROM jobs WHERE id = ?", (job_id,)).fetchone()[0] == 1
+
+
+def _readyz(http: httpx.Client, proc: subprocess.Popen, log: Path) -> httpx.Response | None:
+    """GET /readyz; None where the connection failed while the server still runs (the caller retries):
+    once, in a CI run, a connection was refused here mid-start. If the server has exited, its exit
+    code and the end of its log say why."""
+    try:
+        return http.get("/readyz")
+    except httpx.TransportError as exc:
+        time.sleep(0.5)
+        assert proc.poll() is None, f"{exc!r}; memfit serve exited {proc.poll()}: {log.read_text()[-3000:]}"
+        print(f"/readyz: {exc!r} while memfit serve runs; retrying")
+        return None
 
 
 # --- /readyz and the booting API -------------------------------------------------------------------
