@@ -12,6 +12,11 @@ from service.domain.training import feedforward_targets, lora_targets
 log = logging.getLogger(__name__)
 
 
+def language_model(model):
+    """The transformers model under a peft wrapper (``get_base_model()``), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def peft_config(method: str, family: str, *, r: int, alpha: float, dropout: float, targets, num_virtual_tokens: int):
     import peft
 

@@ -1023,6 +1023,12 @@ def _candidates(spec: JobSpec, gpu: str | None) -> list[tuple[str, str, int, dic
     return out
 
 
+def _split_sizes(workers: int) -> list[int]:
+    """The group sizes a model split over ``workers`` is offered at: all of them, then their largest
+    other divisor (the rest data-parallel replicas)."""
+    return [d for d in range(workers, 1, -1) if workers % d == 0][:2]
+
+
 def _pipeline_candidates(spec: JobSpec, shape: ModelShape) -> list[tuple[str, str, int, dict[str, Any]]]:
     """Pipeline parallelism over the job's workers: stages = num_workers, then its largest other divisor
     (the rest data parallel), where the job could run as a pipeline — a family whose blocks the workers
@@ -1035,10 +1041,9 @@ def _pipeline_candidates(spec: JobSpec, shape: ModelShape) -> list[tuple[str, st
             or t.activation_offload or t.qat.enabled
             or t.peft.method in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning, PeftMethod.qlora)):
         return []
-    divisors = [d for d in range(n, 1, -1) if n % d == 0][:2]
     micro = spec.resolved().micro_batch_size
     out = []
-    for stages in divisors:
+    for stages in _split_sizes(n):
         if pipeline_problem(shape.family, shape.num_layers, stages):
             continue
         schedule = "1f1b" if micro >= stages else "gpipe"
@@ -1061,7 +1066,7 @@ def _tensor_candidates(spec: JobSpec, shape: ModelShape) -> list[tuple[str, str,
     if t.strategy == StrategyName.tensor or n < 2:
         return []
     out = []
-    for size in [d for d in range(n, 1, -1) if n % d == 0][:2]:
+    for size in _split_sizes(n):
         if tensor_problem(shape.family, shape.num_heads, shape.num_kv_heads, shape.intermediate, size):
             continue
         replicas = f", {n // size} FSDP2 replicas" if n // size > 1 else ""

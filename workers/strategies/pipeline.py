@@ -30,6 +30,7 @@ from service.domain.training import pipeline_problem, stage_layers
 from workers import checkpoint as ckpt
 from workers.args import TrainArgs
 from workers.data import TokenizedData, eval_batches, step_batches
+from workers.peft_setup import language_model
 from workers.steps import (
     OOM_ERRORS,
     Progress,
@@ -66,7 +67,7 @@ class PipelineStageModule(torch.nn.Module):
 
     def __init__(self, model, index: int, stages: int, amp_dtype=None):
         super().__init__()
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        lm = language_model(model)
         family = lm.config.model_type
         problem = pipeline_problem(family, lm.config.num_hidden_layers, stages)  # the planner's rule, for models it could not read
         if problem:
@@ -140,7 +141,7 @@ def split_model(model, index: int, stages: int, amp_dtype=None, local: int = 1) 
     """This rank's stage (``local`` > 1: its ``local`` model stages of ``stages × local``, as RankStages).
     The modules of the other stages are replaced in ``model`` by empty ones so their weights are freed;
     ``model`` keeps naming what this stage holds (checkpoints, export)."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = language_model(model)
     tied = _tied(lm)
     if local > 1:
         stage = RankStages([PipelineStageModule(model, index + k * stages, stages * local, amp_dtype)

@@ -52,6 +52,7 @@ from service.domain.training import TENSOR_LAYERS, tensor_problem, vocab_paralle
 from workers import checkpoint as ckpt
 from workers.args import TrainArgs
 from workers.data import step_batches
+from workers.peft_setup import language_model
 from workers.steps import (
     OOM_ERRORS,
     Progress,
@@ -169,7 +170,7 @@ def tensor_plan(model) -> dict[str, object]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from transformers.pytorch_utils import Conv1D
 
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = language_model(model)
     check_split(lm.config, 1)
     conv_col, conv_row = _conv1d_styles()
     names = {id(m): n for n, m in model.named_modules()}
@@ -181,8 +182,9 @@ def tensor_plan(model) -> dict[str, object]:
         split = conv if isinstance(base, Conv1D) else linear
         if hasattr(m, "base_layer"):  # a peft LoRA layer: its base and one of its factors (nn.Linear) split
             plan[f"{path}.base_layer"] = split()
-            for key in getattr(m, "lora_B" if style == "colwise" else "lora_A"):
-                plan[f"{path}.{'lora_B' if style == 'colwise' else 'lora_A'}.{key}"] = linear()
+            factor = "lora_B" if style == "colwise" else "lora_A"
+            for key in getattr(m, factor):
+                plan[f"{path}.{factor}.{key}"] = linear()
         else:
             plan[path] = split()
     return plan
@@ -205,7 +207,7 @@ def _fused_attention(lm) -> list:
 def regroup_fused_qkv(model, size: int) -> None:
     """GPT-2: every c_attn's output columns (the Conv1D weight's dim 1, its bias, a LoRA B's rows) put in
     ``fused_qkv_order``, and the attention's split at the rank's width, before the model is split."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = language_model(model)
     for attn in _fused_attention(lm):
         order = fused_qkv_order(attn.split_size, size)
         m = attn.c_attn
@@ -222,7 +224,7 @@ def regroup_fused_qkv(model, size: int) -> None:
 def restore_order(model, size: int):
     """The inverse of ``regroup_fused_qkv`` for the export: (name, full tensor) -> the tensor in the
     model's own column order. None where nothing was regrouped."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = language_model(model)
     if not _fused_attention(lm):
         return None
     order = fused_qkv_order(lm.config.n_embd, size)
@@ -273,7 +275,7 @@ def sync_dropout(lm, tp_rank: int, device: torch.device) -> None:
 
 def splits_vocab(model, size: int) -> bool:
     """Whether the embedding, the LM head and the loss are split over the vocabulary (``vocab_parallel``)."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = language_model(model)
     return vocab_parallel(lm.get_input_embeddings().num_embeddings, size)
 
 
@@ -289,7 +291,7 @@ def vocab_plan(model, size: int) -> dict[str, object]:
 
     if not splits_vocab(model, size):
         return {}
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = language_model(model)
     names = {id(m): n for n, m in model.named_modules()}
     return {names[id(lm.get_input_embeddings())]: RowwiseParallel(input_layouts=Replicate()),
             names[id(lm.get_output_embeddings())]: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
@@ -309,7 +311,7 @@ def parallelize(model, tp: TPMesh, device: torch.device, amp: bool):
     layer and at the root. Returns the model (the same object)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = language_model(model)
     check_split(lm.config, tp.size)
     regroup_fused_qkv(model, tp.size)
     model = model.to(device)
