@@ -90,6 +90,50 @@ def test_traced_step_peak_matches_memtracker():
     assert abs(step_rec["activations_bytes"] - act) <= 0.02 * act + 64 * 1024
 
 
+def test_memory_trace_records_what_the_full_profiler_records_without_the_operators():
+    """MemoryTrace enables the profiler for the marks and allocations only: on the same step (same seed,
+    same allocations) its summary must equal torch.profiler.profile(profile_memory=True)'s, with
+    fewer events (no operator events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.telemetry import _MARK_PREFIX, MemoryTrace, summarize_profile
+
+    model = tiny_model(lora=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=False)
+    ids = torch.randint(0, 512, (4, 64))
+
+    def step():
+        for phase in ("begin", None, "forward", "backward", "optimizer"):
+            if phase is None:
+                loss = model(input_ids=ids, labels=ids).loss
+                continue
+            with torch.profiler.record_function(_MARK_PREFIX + phase):
+                pass
+            if phase == "forward":
+                loss.backward()
+            elif phase == "backward":
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    step()  # AdamW's state exists from here on: both traced steps allocate the same
+    trace = MemoryTrace(torch.device("cpu"))
+    trace.start()
+    step()
+    scoped = trace.stop()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    full = prof.profiler.kineto_results.events()
+    cpu = torch.device("cpu")
+    mine, theirs = summarize_profile(scoped, cpu, 0), summarize_profile(full, cpu, 0)
+    assert mine["peak_bytes"] > 0 and set(mine["phase_peak_bytes"]) == {"forward", "backward", "optimizer"}
+    assert mine == theirs
+    n_memory = sum(e.name() == "[memory]" for e in scoped)
+    assert n_memory == sum(e.name() == "[memory]" for e in full) > 0
+    # no operator is recorded (user ranges are: the marks, and torch.optim's own "Optimizer.step#AdamW.step")
+    assert any(e.name().startswith("aten::") for e in full)
+    assert not any(e.name().startswith("aten::") for e in scoped) and len(scoped) < len(full) / 2
+
+
 def test_cadence():
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)

@@ -277,7 +277,7 @@ class TrainingOptions(Strict):
         description="How many times on_oom: downshift may change the job before an out-of-memory failure ends it.")
     telemetry_every_steps: int = Field(1, ge=1, le=100_000, description="Metrics and memory sample cadence.")
     memory_trace_every_steps: int = Field(
-        10, ge=1, le=100_000, description="Cadence of the exact (≈2× step cost) per-category memory trace."
+        10, ge=1, le=100_000, description="Cadence of the exact per-category memory trace (every allocation of one step, recorded by the profiler: a few % of that step on CPU)."
     )
 
 
