@@ -250,7 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="run bench/holdout_matrix.py's CHECKS (written after the first run) instead of the matrix")
     ap.add_argument("--save", help="write the measurements (JSON) here")
     ap.add_argument("--load", help="comma-separated saved files: report them with the current planner")
+    ap.add_argument("--fsdp-steps", type=int, default=FSDP_STEPS,
+                    help=f"steps an FSDP2 case runs, all traced from step 3 (default {FSDP_STEPS}): its level varies "
+                         "from step to step over gloo, so more steps meet more of them")
     a = ap.parse_args(argv)
+    globals()["FSDP_STEPS"] = a.fsdp_steps  # spec_body reads it
     if a.load:
         results = [r for f in a.load.split(",") for r in json.loads(Path(f).read_text())]
         return report(results)

@@ -126,4 +126,10 @@ CHECKS: list[HoldoutCase] = [
     HoldoutCase("check qwen2 s512 full fp32 qat-weightonly ddp×2 mb2", "small-qwen2",
                 _t(512, 2, workers=2, qat={"enabled": True, "scheme": "int4-weight-only"})),
     HoldoutCase("check qwen3 s256 full fp32 qat mb8", "small-qwen3", _t(256, 8, qat={"enabled": True})),
+    # FSDP2 CPU offload's gradients planned per instant (service/memory/planner.py: fsdp_host_grads), written
+    # before either was measured: accumulation (the gradients live through the second forward), another family
+    HoldoutCase("check llama s512 full fp32 fsdp2-offload×2 mb2 acc2", "small-llama",
+                _t(512, 2, acc=2, workers=2, strategy="fsdp", fsdp={"cpu_offload": True})),
+    HoldoutCase("check qwen2 s256 full bf16 fsdp2-offload×2 mb4", "small-qwen2",
+                _t(256, 4, workers=2, strategy="fsdp", precision="bf16", fsdp={"cpu_offload": True})),
 ]

@@ -781,6 +781,11 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                           loss_parallel=strategy == "tensor" and shape.vocab != model_shape.vocab,
                           **method_terms(spec, shape))
         options = [(None, act, act.saved(t.gradient_checkpointing))]
+    # FSDP2's offloaded gradients exist only from each unit's reduce-scatter in backward (foreach_reduce copies the
+    # new sharded gradient to the CPU: torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) until
+    # zero_grad(set_to_none=True), like the gradients of FSDP2 without offload; DeepSpeed's host gradient buffer is
+    # allocated once and kept. On a CPU worker (one RAM) they follow the step's instants like device gradients.
+    fsdp_host_grads = strategy == "fsdp" and t.fsdp.cpu_offload and not on_gpu
     fullest = None
     for view, act, A in options:
         if view is not None:
@@ -790,9 +795,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             device=ModelStates(parameters=dev.parameters, gradients=dev.gradients, optimizer_states=dev.optimizer_states),
             host=ModelStates(parameters=host.parameters, gradients=host.gradients, optimizer_states=host.optimizer_states))
         dev_state = dev.parameters + dev.optimizer_states  # live on the device all step long
-        host_state = host.parameters + host.gradients + host.optimizer_states
+        host_state = host.parameters + (0 if fsdp_host_grads else host.gradients) + host.optimizer_states
         shared = 0 if on_gpu else host_state  # a CPU worker's "device" is the same RAM as its host
-        g_all = dev.gradients
+        g_all = host.gradients if fsdp_host_grads else dev.gradients
         # Gradients live in forward: earlier micro-batches' (accumulation), ZeRO-3's flat gradient
         # partition buffer, which DeepSpeed allocates once and keeps (measured), or a 1F1B stage's
         # earlier chunks' (it runs backwards between forwards once its warm-up is done).
@@ -845,6 +850,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     _, A, state, dev, host, cands, phases = fullest
     peak_phase = max(phases, key=lambda k: phases[k])
     dev.gradients, dev.activations, dev.temporary = cands[peak_phase]
+    if fsdp_host_grads:  # the gradients live at the peak instant are the offloaded (host) ones
+        host.gradients, dev.gradients = dev.gradients, 0
     if on_gpu:
         dev.overhead = g.context_bytes + (g.nccl_bytes if N > 1 else 0)
         # The caching allocator rounds blocks and keeps freed ones: budget ~5% of the live peak.
