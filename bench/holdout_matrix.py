@@ -132,4 +132,19 @@ CHECKS: list[HoldoutCase] = [
                 _t(512, 2, acc=2, workers=2, strategy="fsdp", fsdp={"cpu_offload": True})),
     HoldoutCase("check qwen2 s256 full bf16 fsdp2-offload×2 mb4", "small-qwen2",
                 _t(256, 4, workers=2, strategy="fsdp", precision="bf16", fsdp={"cpu_offload": True})),
+    # FSDP2 over gloo with accumulation: reduce-scatter inputs gloo still holds at a later micro-batch's loss
+    # (service/memory/planner.py: backward_rs_in_flight), written before any was measured, when the planned level
+    # was 2 root + 2 block buffers: another family in bf16, FSDP2 without offload, a third family at accumulation 4
+    HoldoutCase("check qwen2 s256 full bf16 fsdp2-offload×2 mb4 acc2", "small-qwen2",
+                _t(256, 4, acc=2, workers=2, strategy="fsdp", precision="bf16", fsdp={"cpu_offload": True})),
+    HoldoutCase("check llama s256 full fp32 fsdp2×2 mb2 acc3", "small-llama",
+                _t(256, 2, acc=3, workers=2, strategy="fsdp")),
+    HoldoutCase("check qwen3 s512 full fp32 fsdp2-offload×2 mb1 acc4", "small-qwen3",
+                _t(512, 1, acc=4, workers=2, strategy="fsdp", fsdp={"cpu_offload": True})),
+    # written after those three were measured and the planned level became one root and one block per
+    # micro-batch, before either of these was measured
+    HoldoutCase("check qwen2 s512 full fp32 fsdp2-offload×2 mb1 acc3", "small-qwen2",
+                _t(512, 1, acc=3, workers=2, strategy="fsdp", fsdp={"cpu_offload": True})),
+    HoldoutCase("check gemma s256 full fp32 fsdp2×2 mb2 acc4", "small-gemma",
+                _t(256, 2, acc=4, workers=2, strategy="fsdp")),
 ]
