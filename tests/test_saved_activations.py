@@ -8,7 +8,8 @@ kilobytes (the vectors IA3 multiplies by). These are the terms the held-out matr
 found missing (bench/holdout_matrix.py): IA3 keeps its targets' outputs, not their inputs; Qwen3's per-head
 q/k norms keep their input, statistics and (full fine-tune) normalised input; prefix tuning's keys and values
 are s + p long for every head, with a mask; prefix and prompt tuning leave every linear plain and frozen;
-LoHa and LoKr keep each target's whole delta weight.
+LoHa and LoKr keep each target's whole delta weight; under autocast LoKr's fp32 delta keeps a recast copy of
+o_proj's 16-bit input.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from service.domain.spec import JobSpec, RunRequest  # noqa: E402
-from service.memory.planner import ACTIVATION_SIZES, _lora_targets, activations, method_terms  # noqa: E402
+from service.memory.planner import ACTIVATION_SIZES, _lora_targets, activations, method_terms, regime  # noqa: E402
 from service.memory.shape import shape_from_config  # noqa: E402
 
 
@@ -48,17 +49,20 @@ def _block_saved_bytes(model, b: int, s: int) -> list[int]:
     return [sum(saved.get(i, {}).values()) for i in range(len(base.model.layers))]
 
 
-@pytest.mark.parametrize("preset,peft", [("small-llama", "ia3"), ("small-qwen3", "none"), ("small-qwen3", "lora"),
-                                         ("small-qwen3", "ia3"), ("small-llama", "prefix_tuning"),
-                                         ("small-llama", "loha"), ("small-qwen2", "lokr"),
-                                         ("small-qwen2", "prompt_tuning")])
-def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft):
+@pytest.mark.parametrize("preset,peft,precision", [
+    ("small-llama", "ia3", "fp32"), ("small-qwen3", "none", "fp32"), ("small-qwen3", "lora", "fp32"),
+    ("small-qwen3", "ia3", "fp32"), ("small-llama", "prefix_tuning", "fp32"), ("small-llama", "loha", "fp32"),
+    ("small-qwen2", "lokr", "fp32"), ("small-qwen2", "prompt_tuning", "fp32"),
+    # under autocast (an fp32 base, bf16 matmuls): LoKr keeps a recast copy of o_proj's bf16 input, LoHa does not
+    ("small-qwen2", "lokr", "bf16"), ("small-llama", "loha", "bf16"),
+])
+def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft, precision):
     from workers.args import train_args
     from workers.models import resolve_model_dir
     from workers.strategies import build_model
 
     spec = JobSpec.model_validate({"model": f"preset:{preset}", "training_file": "file-1",
-                                   "training": {"peft": {"method": peft}}})
+                                   "training": {"peft": {"method": peft}, "precision": precision}})
     args = train_args(RunRequest(job_id="ftjob-saved", spec=spec, training_path=str(tmp_path / "t.jsonl"),
                                  output_dir=str(tmp_path / "out")))
     model_dir = resolve_model_dir(args.model, args.model_path)
@@ -68,9 +72,11 @@ def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft):
     model_dir = Path(model_dir)
     shape = shape_from_config(json.loads((model_dir / "config.json").read_text()))
     b, s = 2, 128
-    measured = _block_saved_bytes(model, b, s)
+    rg = regime("ddp", peft, precision)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rg.autocast):
+        measured = _block_saved_bytes(model, b, s)
     p = spec.training.peft.num_virtual_tokens
-    act = activations(shape, b, s + (p if peft == "prompt_tuning" else 0), ACTIVATION_SIZES["fp32"],
+    act = activations(shape, b, s + (p if peft == "prompt_tuning" else 0), ACTIVATION_SIZES[rg.name],
                       _lora_targets(spec, shape), spec.training.peft.r, input_grad=peft == "prompt_tuning",
                       **method_terms(spec, shape))
     middle = 2  # block 0's input needs no gradient under PEFT, block 1 is the first to keep the rotary tables

@@ -140,6 +140,7 @@ def method_terms(spec: JobSpec, shape: ModelShape) -> dict:
                             if peft.method == PeftMethod.ia3 else None),
         "prefix_tokens": peft.num_virtual_tokens if peft.method == PeftMethod.prefix_tuning else 0,
         "lycoris": peft.method in (PeftMethod.loha, PeftMethod.lokr),
+        "lokr": peft.method == PeftMethod.lokr,
     }
 
 
@@ -148,7 +149,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 padded: bool = False, loss_chunk_tokens: int | None = None,
                 qat: tuple[int, bool] | None = None, ia3_feedforward: frozenset[str] | None = None,
                 prefix_tokens: int = 0, nf4_base: bool = False, on_gpu: bool = True,
-                lycoris: bool = False, loss_parallel: bool = False) -> Activations:
+                lycoris: bool = False, lokr: bool = False, loss_parallel: bool = False) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -174,7 +175,9 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     ``lycoris``: LoHa or LoKr. peft builds each target's whole delta weight (loha/layer.py: HadaWeight keeps
     only its factors; lokr: torch.kron) and runs ``F.linear(x, delta_weight)`` (``_get_delta_activations``),
     which keeps the out × in delta weight (its compute-dtype copy under autocast) beside the input; there is
-    no low-rank activation (LoRA's lora_A output).
+    no low-rank activation (LoRA's lora_A output). ``lokr``: the method is LoKr, whose delta weight is fp32 under
+    autocast (torch.kron is not an autocast op and promotes its mixed inputs), unlike LoHa's (HadaWeight's
+    matmuls run under autocast: 16-bit); see the o_proj term.
     ``nf4_base``: QLoRA's base linears are bitsandbytes' Linear4bit (service/memory/nf4.py): their matmul
     (bitsandbytes/autograd/_functions.py MatMul4Bit) saves only the packed weight, which is resident anyway, and
     dequantises it per call, so autocast caches no 16-bit copy of the base (only of the fp32 adapter, as for
@@ -267,9 +270,13 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             if not full and regime.casts:
                 pass  # counted by linear_input: each adapted projection's lora_A casts its own copy
             n += lora_extra(attn_in + ["o_proj"])
-            if ((regime.name == "lora16" or (nf4_base and regime.casts and not on_gpu)) and adapted("o_proj")
-                    and ia3_feedforward is None):
-                n += T * qd * 2  # o_proj's adapter: PEFT's fp32 copy of the attention output, cast again (measured)
+            if ((regime.name == "lora16" or (nf4_base and regime.casts and not on_gpu) or (lokr and regime.casts))
+                    and adapted("o_proj") and ia3_feedforward is None):
+                # o_proj's adapter: PEFT's fp32 copy of the attention output, cast again (measured). LoKr under
+                # autocast: _get_delta_activations casts its input to the delta weight's dtype, fp32
+                # (peft/tuners/lokr/layer.py, _cast_input_dtype), which SDPA's 16-bit output is not, and F.linear
+                # keeps autocast's 16-bit recast of that copy beside the output SDPA keeps (LoHa's delta is 16-bit)
+                n += T * qd * 2
             # attention: SDPA keeps q, k, v after rotary, its output (= o_proj's input) and the lse
             n += T * qd * a + 2 * T * kvd * a + T * qd * a + b * shape.num_heads * s * 4
             if prefix_tokens and attention == "sdpa":
