@@ -157,4 +157,10 @@ CHECKS: list[HoldoutCase] = [
     # either of these was measured
     HoldoutCase("check llama s256 lokr bf16 mb4", "small-llama", _t(256, 4, precision="bf16", peft={"method": "lokr", "r": 8})),
     HoldoutCase("check gemma s512 loha bf16 mb2", "small-gemma", _t(512, 2, precision="bf16", peft={"method": "loha", "r": 8})),
+    # GPT-2 LoRA in bf16 under DDP: attn.c_proj's adapter keeps a recast copy of the attention output, as o_proj's
+    # does (service/memory/planner.py), written before either was measured
+    HoldoutCase("check gpt2 s512 lora bf16 ddp×2 mb2", "small-gpt2", _t(512, 2, workers=2, precision="bf16",
+                                                                          peft={"method": "lora", "r": 8})),
+    HoldoutCase("check gpt2 s1024 lora bf16 ckpt mb2 acc2", "small-gpt2", _t(1024, 2, acc=2, precision="bf16", ckpt=True,
+                                                                               peft={"method": "lora", "r": 16})),
 ]

@@ -55,6 +55,8 @@ def _block_saved_bytes(model, b: int, s: int) -> list[int]:
     ("small-qwen2", "lokr", "fp32"), ("small-qwen2", "prompt_tuning", "fp32"),
     # under autocast (an fp32 base, bf16 matmuls): LoKr keeps a recast copy of o_proj's bf16 input, LoHa does not
     ("small-qwen2", "lokr", "bf16"), ("small-llama", "loha", "bf16"),
+    # pure bf16 (FSDP2 and DeepSpeed's 16-bit weights): Gemma's RMSNorm keeps its normalised input in fp32, Llama's in bf16
+    ("small-gemma", "none", "bf16-pure"), ("small-llama", "none", "bf16-pure"),
 ])
 def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft, precision):
     from workers.args import train_args
@@ -62,7 +64,8 @@ def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft, prec
     from workers.strategies import build_model
 
     spec = JobSpec.model_validate({"model": f"preset:{preset}", "training_file": "file-1",
-                                   "training": {"peft": {"method": peft}, "precision": precision}})
+                                   "training": {"peft": {"method": peft}, "precision": precision.split("-")[0],
+                                                "strategy": "fsdp" if precision == "bf16-pure" else "ddp"}})
     args = train_args(RunRequest(job_id="ftjob-saved", spec=spec, training_path=str(tmp_path / "t.jsonl"),
                                  output_dir=str(tmp_path / "out")))
     model_dir = resolve_model_dir(args.model, args.model_path)
@@ -72,7 +75,9 @@ def test_a_middle_block_keeps_what_the_planner_says(tmp_path, preset, peft, prec
     model_dir = Path(model_dir)
     shape = shape_from_config(json.loads((model_dir / "config.json").read_text()))
     b, s = 2, 128
-    rg = regime("ddp", peft, precision)
+    rg = regime(spec.training.strategy.value, peft, spec.training.precision.value)
+    if rg.name == "pure16":  # FSDP2 gathers bf16 parameters and casts the inputs (workers/strategies/fsdp.py: MixedPrecisionPolicy)
+        model = model.to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rg.autocast):
         measured = _block_saved_bytes(model, b, s)
     p = spec.training.peft.num_virtual_tokens

@@ -252,6 +252,9 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             n += T * 3 * qd * a + T * qd * a + shape.num_heads * T * 4  # q,k,v (one c_attn storage), out, lse
             n += padding_mask_bytes(shape, b, s, a) if padded and attention == "sdpa" else 0
             n += lora_extra(["c_attn", "c_proj"])
+            if ((regime.name == "lora16" or (nf4_base and regime.casts and not on_gpu)) and adapted("c_proj")
+                    and ia3_feedforward is None):
+                n += T * qd * 2  # attn.c_proj's adapter: as o_proj's below, a recast copy of the attention output
             n += T * h * res + 2 * small  # ln_2 input
             n += linear_input(res if not regime.casts else 4, ["c_fc"], h)
             # gelu_new's python ops keep x, tanh, 0.5x, 1+tanh; mlp.c_proj keeps the product when it trains
@@ -261,7 +264,11 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             n += weight_casts(list(shape.linear_shapes())) + ia3_saved()
         else:
             norm_in = T * h * 4  # RMSNorm's fp32 view of its input, kept by pow
-            normalized = T * h * (4 if regime.residual == 4 else 2)
+            # the normalised input kept for the norm's weight: in the residual dtype (Llama's RMSNorm casts it back
+            # before the weight), fp32 for Gemma's, which multiplies by 1 + weight in fp32 and casts the product
+            # (transformers/models/gemma/modeling_gemma.py: GemmaRMSNorm; gemma2/gemma3 the same)
+            norm_fp32 = regime.residual == 4 or shape.family.startswith("gemma")
+            normalized = T * h * (4 if norm_fp32 else 2)
             # input norm
             n += (norm_in if in_grad else 0) + small + (normalized if full else 0)
             attn_in = ["q_proj", "k_proj", "v_proj"]
@@ -295,7 +302,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 # per-head RMSNorm of q and k (Qwen3): like the block's norms, each keeps its fp32 input (pow)
                 # and per-head statistics, and, where its weight trains, the normalised input in q/k's dtype
                 n += T * (qd + kvd) * 4 + T * (shape.num_heads + shape.num_kv_heads) * 4
-                n += T * (qd + kvd) * a if full else 0
+                n += T * (qd + kvd) * (4 if shape.family.startswith("gemma") else a) if full else 0
             # post-attention norm
             n += T * h * 4 + small + (normalized if full else 0)
             n += linear_input(norm_out, ["gate_proj", "up_proj"], h)
@@ -319,7 +326,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     # final norm (+ lm_head input when lm_head trains), embedding indices, rotary cos/sin
     final = T * h * 4 + small if shape.family != "gpt2" else T * h * res + 2 * small
     if full:
-        final += T * h * regime.residual  # normalised input, kept for the norm weight
+        final += T * h * (4 if shape.family.startswith("gemma") else regime.residual)  # normalised input (see normalized)
         final += T * h * (2 if regime.act == 2 else 4)  # lm_head's input (its bf16 copy under autocast)
     if qat and not shape.tied_embeddings:  # lm_head is quantised unless it is the embedding's weight
         final += qat_linear_bytes(T, h, V, *qat) - (T * h * 4 if qat[1] else 0)
