@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.holdout_matrix import CHECKS, HOLDOUT, HoldoutCase  # noqa: E402
+from bench.holdout_matrix import CHECKS, HOLDOUT, HoldoutCase, drawn  # noqa: E402
 
 MiB = 2**20
 STATES = ("parameters", "gradients", "optimizer_states")
@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated substrings; a case whose name has any is skipped")
     ap.add_argument("--checks", action="store_true",
                     help="run bench/holdout_matrix.py's CHECKS (written after the first run) instead of the matrix")
+    ap.add_argument("--drawn", type=int, default=0,
+                    help="instead of the matrix: this many configs drawn by bench/holdout_matrix.py: drawn (with --seed)")
+    ap.add_argument("--seed", type=int, default=0, help="with --drawn: the draw's seed")
     ap.add_argument("--save", help="write the measurements (JSON) here")
     ap.add_argument("--load", help="comma-separated saved files: report them with the current planner")
     ap.add_argument("--fsdp-steps", type=int, default=FSDP_STEPS,
@@ -261,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     wanted = [w for w in a.filter.split(",") if w]
     skipped = [w for w in a.skip.split(",") if w]
-    cases = [c for c in (CHECKS if a.checks else HOLDOUT) if all(w in c.name for w in wanted) and not any(w in c.name for w in skipped)]
+    if a.drawn:
+        CHECKS.extend(drawn(a.drawn, a.seed))  # where _trained_rows and predict look cases up by name
+    pool = CHECKS[-a.drawn:] if a.drawn else (CHECKS if a.checks else HOLDOUT)
+    cases = [c for c in pool if all(w in c.name for w in wanted) and not any(w in c.name for w in skipped)]
     results = []
     for case in cases:
         with tempfile.TemporaryDirectory(prefix="memfit-holdout-") as tmp:

@@ -164,3 +164,48 @@ CHECKS: list[HoldoutCase] = [
     HoldoutCase("check gpt2 s1024 lora bf16 ckpt mb2 acc2", "small-gpt2", _t(1024, 2, acc=2, precision="bf16", ckpt=True,
                                                                                peft={"method": "lora", "r": 16})),
 ]
+
+
+# --- drawn configs ---------------------------------------------------------------------------------
+
+FAMILIES = ("small-llama", "small-qwen2", "small-qwen3", "small-gemma", "small-gpt2")
+METHODS = ("none", "lora", "ia3", "loha", "lokr", "prefix_tuning", "prompt_tuning")
+STRATEGIES = ("ddp", "ddp", "ddp", "zero2", "zero3")  # DDP weighted: its peak is the same at every step
+
+
+def drawn(n: int, seed: int) -> list[HoldoutCase]:
+    """``n`` configs drawn with ``seed`` from the product of families, PEFT methods, precisions, checkpointing,
+    sequence lengths, micro-batch sizes, accumulation, 1–2 workers and the data kinds, for a check on configs
+    nobody chose (``bench/holdout_accuracy.py --drawn N --seed S``). The draw is made before anything is
+    measured and is the same for the same (n, seed). Combinations the service refuses (GPT-2 with LoHa/LoKr,
+    say) are drawn again. FSDP2 is left out: over gloo its peak varies from step to step (see CHECKS)."""
+    import random
+
+    from service.domain.training import PEFT_UNSUPPORTED
+
+    rng = random.Random(seed)
+    out: list[HoldoutCase] = []
+    names: set[str] = set()
+    while len(out) < n:
+        fam, method = rng.choice(FAMILIES), rng.choice(METHODS)
+        if method in PEFT_UNSUPPORTED.get(fam.split("-")[1], ()):
+            continue
+        precision, ckpt = rng.choice(("fp32", "bf16")), rng.random() < 0.4
+        seq, mb = rng.choice((128, 256, 384, 768, 1024)), rng.choice((1, 2, 3, 4))
+        acc, workers, strategy = rng.choice((1, 1, 2, 3)), rng.choice((1, 2)), rng.choice(STRATEGIES)
+        data = rng.choice(("long", "long", "chat", "varied"))
+        extra: dict = {}
+        if method != "none":
+            extra["peft"] = {"method": method, **({"r": rng.choice((4, 8, 16))} if method in ("lora", "loha", "lokr") else {})}
+        if strategy.startswith("zero"):
+            workers, extra["deepspeed"] = 2, {"zero_stage": int(strategy[-1])}
+            strategy = "deepspeed"
+        name = (f"drawn{seed} {fam.split('-')[1]} s{seq} {method} {precision}{' ckpt' if ckpt else ''} "
+                f"{strategy if strategy == 'ddp' else 'zero' + str(extra['deepspeed']['zero_stage'])}×{workers} "
+                f"mb{mb} acc{acc} {data}")
+        if name in names:
+            continue
+        names.add(name)
+        out.append(HoldoutCase(name, fam, _t(seq, mb, acc=acc, workers=workers, strategy=strategy,
+                                              precision=precision, ckpt=ckpt, **extra), data=data))
+    return out

@@ -60,3 +60,18 @@ def test_two_rank_peak_within_5_percent(case, model_dirs):
     res = measure(case, model_dirs[case.family], timeout_s=240)
     assert len(res["ranks"]) == 2
     check(case, res["ranks"])
+
+
+def test_drawn_configs_are_fixed_by_their_seed_and_are_jobs_the_service_accepts():
+    """bench/holdout_matrix.py: drawn — the configs nobody chose: the same draw for the same seed, another for
+    another seed, every one a spec the service validates, none from the refused GPT-2 LyCORIS pairs."""
+    from bench.holdout_accuracy import validated
+    from bench.holdout_matrix import drawn
+
+    first, again, other = drawn(12, 1), drawn(12, 1), drawn(12, 2)
+    assert [c.name for c in first] == [c.name for c in again] != [c.name for c in other]
+    assert len({c.name for c in first}) == 12
+    for case in first + other:
+        spec, refused = validated(case)
+        assert spec is not None, (case.name, refused)
+        assert not (case.family == "small-gpt2" and spec.training.peft.method.value in ("loha", "lokr"))

@@ -192,6 +192,23 @@ def test_fits_carries_the_strategys_measured_error_as_its_margin():
     # a variant no matrix measured gets the largest measured margin, and says so
     zero1 = accuracy_margin(spec(strategy="deepspeed", deepspeed={"zero_stage": 1}, resources={"num_workers": 2}))
     assert zero1[0] == max(m.under_prediction for m in MARGINS.values()) and "no accuracy matrix" in zero1[1]
+    # DeepSpeed with accumulation on CPU workers peaks at gloo race levels: its own measured margin, not ZeRO-2's;
+    # on a GPU (no gloo) and without accumulation, the strategy's
+    zero2_acc = spec(strategy="deepspeed", deepspeed={"zero_stage": 2}, resources={"num_workers": 2},
+                     hyperparameters={"gradient_accumulation_steps": 3})
+    assert accuracy_margin(zero2_acc) == (MARGINS["zero_accumulation_gloo"].under_prediction,
+                                          MARGINS["zero_accumulation_gloo"].where)
+    assert accuracy_margin(zero2_acc, on_gpu=True)[0] == MARGINS["zero2"].under_prediction
+    zero2 = spec(strategy="deepspeed", deepspeed={"zero_stage": 2}, resources={"num_workers": 2})
+    assert accuracy_margin(zero2)[0] == MARGINS["zero2"].under_prediction
+    cpu = JobSpec.model_validate({"model": "preset:small-llama", "training_file": "file-x", "training": {
+        "strategy": "deepspeed", "deepspeed": {"zero_stage": 2}, "resources": {"num_workers": 2},
+        "hyperparameters": {"gradient_accumulation_steps": 2}}})
+    from service.domain.model_ref import resolve_model
+    from service.memory.shape import shape_for_model
+
+    p_cpu = plan(cpu, shape_for_model(resolve_model(cpu.model, ())))
+    assert p_cpu.accuracy_margin == MARGINS["zero_accumulation_gloo"].under_prediction
 
 
 def test_unknown_gpu_is_named():

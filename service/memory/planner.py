@@ -893,7 +893,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         capacity = t.resources.host_memory_budget_bytes or DEFAULT_HOST_BYTES
     usable = int(capacity * (1 - safety_margin))
     # The planner's own measured error for this strategy (service/memory/accuracy.py) must fit too.
-    accuracy, accuracy_source = accuracy_margin(spec)
+    accuracy, accuracy_source = accuracy_margin(spec, on_gpu)
     peak = dev.total + (0 if on_gpu else host.total)
     accuracy_bytes = math.ceil(peak * accuracy)
     need = dev.total + (0 if on_gpu else host.total + runtime) + accuracy_bytes
