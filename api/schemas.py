@@ -302,6 +302,41 @@ JOB_FIELDS = len(JOB_ROW)  # the columns job_document unpacks; spec_json may fol
 RENDERED_JOBS = RenderedJobs()
 
 
+class RenderedPages:
+    """(tenant, after, limit) → the row versions an unfiltered list page was last rendered from and
+    its bytes. A poll whose page holds the same rows at the same versions (a Postgres row version —
+    xmin and ctid — changes with every UPDATE, and the spec, the status and everything else a job's
+    document is made of are columns of that row) is answered those bytes without looking at a row
+    (service.jobs.crud read_page_versions: one small statement). Rendered rows are never older than
+    the versions they are kept under (read_jobs reads each row at that version or later), so a row
+    updated while its page was read is only rendered anew on the next poll. Bounded by ``max_bytes``,
+    least recently answered first out; used on the event loop only (the list route)."""
+
+    def __init__(self, max_bytes: int = 32 << 20):
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+        self._pages: OrderedDict[tuple, tuple[tuple, bytes]] = OrderedDict()
+
+    def get(self, key: tuple, versions: tuple) -> bytes | None:
+        hit = self._pages.get(key)
+        if hit is None or hit[0] != versions:
+            return None
+        self._pages.move_to_end(key)
+        return hit[1]
+
+    def put(self, key: tuple, versions: tuple, data: bytes) -> None:
+        old = self._pages.pop(key, None)
+        if old is not None:
+            self.held_bytes -= len(old[1])
+        self._pages[key] = (versions, data)
+        self.held_bytes += len(data)
+        while self.held_bytes > self.max_bytes and self._pages:
+            self.held_bytes -= len(self._pages.popitem(last=False)[1][1])
+
+
+RENDERED_PAGES = RenderedPages()
+
+
 def job_json(row: Row, view: SpecView) -> bytes:
     return RENDERED_JOBS.render(row, view)
 

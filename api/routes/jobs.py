@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
 from api.errors import AUTHED, BY_ID, problems
 from api.schemas import (
+    RENDERED_PAGES,
     SPEC_VIEWS,
     CheckpointPublic,
     EventPublic,
@@ -78,14 +79,23 @@ async def list_jobs(
 ):
     metadata = _metadata_filter(request)
     reads = request.app.state.reads
+    versions = key = None
+    if not metadata and not status:  # a plain page: answered again while its rows are the same versions
+        versions = await jobs.read_page_versions(reads, principal, after=after, limit=limit)
+        key = (principal.tenant_id, after, limit)
+        if versions and (data := RENDERED_PAGES.get(key, versions)) is not None:
+            return JSONBytes(data)
     page = await jobs.read_jobs(reads, principal, after=after, limit=limit, metadata=metadata, status=status,
-                                specs_known=SPEC_VIEWS)
+                                specs_known=SPEC_VIEWS, versions=versions)
     views = [SPEC_VIEWS.get(row.id, page.specs.get(row.id), spec_version(row.attempt, row.status)) for row in page]
     if None in views:  # forgotten since the read (more than SpecViews.max_entries jobs seen meanwhile)
         specs = await jobs.read_specs(reads, principal, [row.id for row, view in zip(page, views) if view is None])
         views = [view or SPEC_VIEWS.get(row.id, specs[row.id], spec_version(row.attempt, row.status))
                  for row, view in zip(page, views)]
-    return JSONBytes(jobs_page_json(page, views, page.has_more))
+    data = jobs_page_json(page, views, page.has_more)
+    if versions:  # an empty page is not kept: its cursor is checked on every read (422 once it is unknown)
+        RENDERED_PAGES.put(key, versions, data)
+    return JSONBytes(data)
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=problems(*BY_ID))

@@ -14,7 +14,7 @@ import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Callable, Container, Iterable
+from typing import Any, Callable, Container, Iterable, Sequence
 
 from sqlalchemy import Row, Text, any_, bindparam, case, cast, delete, literal_column, null, or_, select, tuple_, update
 from sqlalchemy.orm import Session
@@ -325,15 +325,17 @@ async def read_jobs(
     metadata: dict[str, str] | None = None,
     status: str | None = None,
     specs_known: Container[tuple[str, tuple[int, bool]]] = (),
+    versions: Sequence[tuple[str, str]] | None = None,
 ) -> Page:
     """list_jobs for a read: a page of JOB_ROW rows, newest first, in one statement. The page's
     ``specs`` maps each listed id whose (id, :func:`spec_version`) is not in ``specs_known`` to its
     spec's text (one more statement, only when there is such an id). An ``after`` cursor is compared inside the statement; only an empty
     page looks for it (a second statement), to tell an unknown cursor (422) from the end of the list.
-    A filter on metadata or status builds its statement per request: those go through the engine."""
+    A filter on metadata or status builds its statement per request: those go through the engine.
+    ``versions``: the page's (id, version) pairs, where :func:`read_page_versions` has just read them."""
     params = {"tenant_id": principal.tenant_id, "limit": limit + 1, "after": after}
     if not metadata and not status and reads.on_loop:
-        rows = await _read_page_by_version(reads, params, bool(after))
+        rows = await _read_page_by_version(reads, params, bool(after), versions)
     elif not metadata and not status:
         rows = await reads.all(_READ_PAGE[bool(after)], params)
     else:
@@ -375,11 +377,25 @@ class _RowVersions:
 _ROW_VERSIONS = _RowVersions()
 
 
-async def _read_page_by_version(reads: Reads, params: dict[str, Any], after: bool) -> list:
-    """The page's rows, on Postgres: its (id, version) pairs in one small statement, then whole rows
-    only for the jobs not already held at that version (a second statement, only then). A page that
-    is polled again reads none of its JSON columns while its jobs are unchanged."""
-    page = await reads.all(_PAGE_VERSIONS[after], params)
+async def read_page_versions(reads: Reads, principal: Principal, *, after: str | None = None,
+                             limit: int = 20) -> tuple[tuple[str, str], ...] | None:
+    """The (id, row version) pairs of the unfiltered page read_jobs would answer (``limit`` + 1 rows,
+    newest first), in one small statement; None where the store has no row versions (SQLite). Equal
+    pairs mean every row on the page is the one read before: the list route answers that page's
+    bytes again (api/schemas.py RenderedPages)."""
+    if not reads.on_loop:
+        return None
+    params = {"tenant_id": principal.tenant_id, "limit": limit + 1, "after": after}
+    return tuple((job_id, version) for job_id, version in await reads.all(_PAGE_VERSIONS[bool(after)], params))
+
+
+async def _read_page_by_version(reads: Reads, params: dict[str, Any], after: bool,
+                                page: Sequence[tuple[str, str]] | None = None) -> list:
+    """The page's rows, on Postgres: its (id, version) pairs in one small statement (unless given),
+    then whole rows only for the jobs not already held at that version (a second statement, only
+    then). A page that is polled again reads none of its JSON columns while its jobs are unchanged."""
+    if page is None:
+        page = await reads.all(_PAGE_VERSIONS[after], params)
     rows = {job_id: row for job_id, version in page if (row := _ROW_VERSIONS.get(job_id, version)) is not None}
     missing = [job_id for job_id, _ in page if job_id not in rows]
     if missing:
