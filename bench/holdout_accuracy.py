@@ -256,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fsdp-steps", type=int, default=FSDP_STEPS,
                     help=f"steps an FSDP2 case runs, all traced from step 3 (default {FSDP_STEPS}): its level varies "
                          "from step to step over gloo, so more steps meet more of them")
+    ap.add_argument("--steps", type=int, default=STEPS,
+                    help=f"steps any other case runs, traced from step 3 (default {STEPS})")
     a = ap.parse_args(argv)
-    globals()["FSDP_STEPS"] = a.fsdp_steps  # spec_body reads it
+    globals()["FSDP_STEPS"] = a.fsdp_steps  # spec_body reads them
+    globals()["STEPS"] = a.steps
     if a.load:
         results = [r for f in a.load.split(",") for r in json.loads(Path(f).read_text())]
         return report(results)

@@ -209,6 +209,18 @@ def test_fits_carries_the_strategys_measured_error_as_its_margin():
 
     p_cpu = plan(cpu, shape_for_model(resolve_model(cpu.model, ())))
     assert p_cpu.accuracy_margin == MARGINS["zero_accumulation_gloo"].under_prediction
+    # ZeRO-3 with a frozen base on CPU workers: an embedding-sized tensor live through some steps, without
+    # accumulation too (its own measured margin); the full fine-tune, ZeRO-2 with PEFT and GPU workers keep theirs
+    zero3 = {"strategy": "deepspeed", "deepspeed": {"zero_stage": 3}, "resources": {"num_workers": 2}}
+    for method in ("lora", "prompt_tuning", "ia3"):
+        frozen = spec(**zero3, peft={"method": method})
+        assert accuracy_margin(frozen) == (MARGINS["zero3_frozen_gloo"].under_prediction,
+                                           MARGINS["zero3_frozen_gloo"].where), method
+        assert accuracy_margin(frozen, on_gpu=True)[0] == MARGINS["zero3"].under_prediction
+    assert accuracy_margin(spec(**zero3))[0] == MARGINS["zero3"].under_prediction
+    assert accuracy_margin(spec(strategy="deepspeed", deepspeed={"zero_stage": 2}, resources={"num_workers": 2},
+                                peft={"method": "lora"}))[0] == MARGINS["zero2"].under_prediction
+    assert MARGINS["zero3"].under_prediction < MARGINS["zero3_frozen_gloo"].under_prediction
 
 
 def test_unknown_gpu_is_named():
