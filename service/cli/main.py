@@ -40,7 +40,9 @@ def serve(
     settings = get_settings()  # refuse unsafe settings before binding the port
     # uvicorn re-raises the SIGTERM it shut down for with the default handler, which would end this
     # process before any `finally` here; command_lifetime turns it into an exception we unwind with.
-    with command_lifetime(run_dir(settings), "memfit serve"):
+    with command_lifetime(run_dir(settings), "memfit serve") as own:
+        if getattr(own, "reaped", None):  # a killed serve's workers held this port: let the kernel close it
+            _wait_port_free(host, port, timeout_s=15)
         if not settings.scheduler_enabled:
             uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
             return
@@ -55,6 +57,27 @@ def serve(
             # The booting app answers /healthz while the real one is built (service/cli/embedded.py).
             uvicorn.run("service.cli.embedded:booting_app", factory=True, host=host, port=port, workers=workers,
                         log_level=log_level)
+
+
+def _wait_port_free(host: str, port: int, timeout_s: float) -> None:
+    """Until (host, port) can be bound as uvicorn binds it (SO_REUSEADDR), or ``timeout_s``: processes just
+    ended with SIGKILL may take a moment to exit on a loaded machine, and their listening socket with them.
+    After the timeout uvicorn tries anyway and reports the port in use."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    while True:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    return
+        time.sleep(0.2)
 
 
 def _sessions():

@@ -323,9 +323,9 @@ def command_lifetime(run_dir: Path | None, label: str) -> Iterator[Ownership]:
     """Around a memfit command's body: end what earlier, SIGKILLed commands left; record a token that
     every child inherits; on the way out — normal return, exception, SIGTERM/SIGINT/SIGHUP — end
     every process carrying it (and each Ray head this process recorded), then delete the record."""
-    if run_dir is not None:
-        reap_stale(run_dir)
+    reaped = reap_stale(run_dir) if run_dir is not None else []
     own = Ownership(label=label).in_record(run_dir)
+    own.reaped = reaped  # what an earlier, killed command left and this one ended (serve waits for its port)
     previous_env = os.environ.get(OWNER_ENV)
     os.environ[OWNER_ENV] = own.env_chain()
     signals = _StopSignals()
