@@ -41,7 +41,7 @@ def serve(
     # uvicorn re-raises the SIGTERM it shut down for with the default handler, which would end this
     # process before any `finally` here; command_lifetime turns it into an exception we unwind with.
     with command_lifetime(run_dir(settings), "memfit serve") as own:
-        if getattr(own, "reaped", None):  # a killed serve's workers held this port: let the kernel close it
+        if own.reaped:  # a killed serve's workers held this port: let the kernel close it
             _wait_port_free(host, port, timeout_s=15)
         if not settings.scheduler_enabled:
             uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)

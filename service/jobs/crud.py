@@ -335,7 +335,9 @@ async def read_jobs(
     ``versions``: the page's (id, version) pairs, where :func:`read_page_versions` has just read them."""
     params = {"tenant_id": principal.tenant_id, "limit": limit + 1, "after": after}
     if not metadata and not status and reads.on_loop:
-        rows = await _read_page_by_version(reads, params, bool(after), versions)
+        if versions is None:
+            versions = await read_page_versions(reads, principal, after=after, limit=limit)
+        rows = await _read_page_by_version(reads, principal.tenant_id, versions)
     elif not metadata and not status:
         rows = await reads.all(_READ_PAGE[bool(after)], params)
     else:
@@ -389,17 +391,14 @@ async def read_page_versions(reads: Reads, principal: Principal, *, after: str |
     return tuple((job_id, version) for job_id, version in await reads.all(_PAGE_VERSIONS[bool(after)], params))
 
 
-async def _read_page_by_version(reads: Reads, params: dict[str, Any], after: bool,
-                                page: Sequence[tuple[str, str]] | None = None) -> list:
-    """The page's rows, on Postgres: its (id, version) pairs in one small statement (unless given),
-    then whole rows only for the jobs not already held at that version (a second statement, only
-    then). A page that is polled again reads none of its JSON columns while its jobs are unchanged."""
-    if page is None:
-        page = await reads.all(_PAGE_VERSIONS[after], params)
+async def _read_page_by_version(reads: Reads, tenant_id: str, page: Sequence[tuple[str, str]]) -> list:
+    """The page's rows, on Postgres, from its (id, version) pairs (read_page_versions): whole rows
+    only for the jobs not already held at that version (one statement, only then). A page that is
+    polled again reads none of its JSON columns while its jobs are unchanged."""
     rows = {job_id: row for job_id, version in page if (row := _ROW_VERSIONS.get(job_id, version)) is not None}
     missing = [job_id for job_id, _ in page if job_id not in rows]
     if missing:
-        for row in await reads.all(_ROWS_BY_ID, {"job_ids": missing, "tenant_id": params["tenant_id"]}):
+        for row in await reads.all(_ROWS_BY_ID, {"job_ids": missing, "tenant_id": tenant_id}):
             _ROW_VERSIONS.put(row.id, row.version, row)
             rows[row.id] = row
     return [rows[job_id] for job_id, _ in page if job_id in rows]  # one deleted in between is left out
