@@ -15,6 +15,12 @@ clock); memfit's end is the job's ``finished_at``; the direct run's end is Ray's
 Prints each round, the median and spread (min–max) of each, memfit's added seconds and ratio, PASS/FAIL
 of POST → first step against 1.02 × direct, and where memfit's start went in the first measured round
 (its job events, relative to the POST).
+
+It also prints the CPU seconds each side spent, POST/submit to the end of the run: this process's own
+(on memfit's side the API, the scheduler and the ingest of the run's reports, which all run here, plus
+the polling client; on the direct side the Jobs client polling Ray) and the whole machine's. Ray Train's
+start-up varies by seconds from run to run on 2 cores, so the time ratio moves by ±10% between runs of
+the bench; what memfit itself costs is the difference in CPU, which that variance does not hide.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 
 from service.scheduler.local_head import LocalRayHead  # noqa: E402
 
@@ -49,6 +56,12 @@ def job_body(train_id: str, steps: int) -> dict:
             "checkpoint_every_steps": steps,
         },
     }
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds used so far by this process (all its threads) and by the whole machine."""
+    me, machine = psutil.Process().cpu_times(), psutil.cpu_times()
+    return me.user + me.system, machine.user + machine.system + machine.nice
 
 
 def run_memfit(http: httpx.Client, train_id: str, steps: int) -> tuple[float, float, str, list[tuple[float, str]]]:
@@ -177,16 +190,22 @@ def main() -> None:
         run_direct(service.scheduler.ray, request, work, 0)
 
         memfit_start, memfit_end, direct_start, direct_end = [], [], [], []
+        memfit_cpu: list[tuple[float, float]] = []
+        direct_cpu: list[tuple[float, float]] = []
         first_phases = None
         for n in range(1, args.runs + 1):
             def memfit_run():
+                before = cpu_seconds()
                 s, e, _, phases = run_memfit(http, train_id, args.steps)
+                memfit_cpu.append(tuple(b - a for a, b in zip(before, cpu_seconds())))
                 memfit_start.append(s)
                 memfit_end.append(e)
                 return phases
 
             def direct_run():
+                before = cpu_seconds()
                 ds, de = run_direct(service.scheduler.ray, request, work, n)
+                direct_cpu.append(tuple(b - a for a, b in zip(before, cpu_seconds())))
                 direct_start.append(ds)
                 direct_end.append(de)
 
@@ -198,8 +217,9 @@ def main() -> None:
                 phases = memfit_run()
             first_phases = first_phases or phases
             print(f"round {n} ({'memfit first' if n % 2 else 'direct first'}): memfit start {memfit_start[-1]:6.2f} s "
-                  f"end {memfit_end[-1]:5.2f} s | direct start {direct_start[-1]:6.2f} s end {direct_end[-1]:5.2f} s",
-                  flush=True)
+                  f"end {memfit_end[-1]:5.2f} s | direct start {direct_start[-1]:6.2f} s end {direct_end[-1]:5.2f} s | "
+                  f"CPU s (this process / machine): memfit {memfit_cpu[-1][0]:.2f} / {memfit_cpu[-1][1]:.1f}, "
+                  f"direct {direct_cpu[-1][0]:.2f} / {direct_cpu[-1][1]:.1f}", flush=True)
 
         med = statistics.median
 
@@ -216,6 +236,13 @@ def main() -> None:
         print(f"  last step → succeeded             : memfit {me:6.2f} s ({spread(memfit_end)})   direct Jobs API "
               f"{de:6.2f} s ({spread(direct_end)})   memfit adds {me - de:+.2f} s")
         print(f"  job start target ≤ 1.02 × direct: {'PASS' if ratio <= 1.02 else 'FAIL'} (ratio {ratio:.3f})")
+        own_m, own_d = [c[0] for c in memfit_cpu], [c[0] for c in direct_cpu]
+        all_m, all_d = [c[1] for c in memfit_cpu], [c[1] for c in direct_cpu]
+        print(f"  CPU s, this process (memfit: API + scheduler + ingest + client; direct: Jobs client): memfit "
+              f"{med(own_m):.2f} ({spread(own_m)})   direct {med(own_d):.2f} ({spread(own_d)})   "
+              f"memfit adds {med(own_m) - med(own_d):+.2f} s")
+        print(f"  CPU s, whole machine, POST/submit → end of run: memfit {med(all_m):.1f} ({spread(all_m)})   "
+              f"direct {med(all_d):.1f} ({spread(all_d)})   memfit adds {med(all_m) - med(all_d):+.1f} s")
         print("\nwhere memfit's start went (round 1, seconds after the POST):")
         for at, what in first_phases:
             print(f"  {at:7.2f}  {what}")
