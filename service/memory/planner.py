@@ -149,7 +149,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 padded: bool = False, loss_chunk_tokens: int | None = None,
                 qat: tuple[int, bool] | None = None, ia3_feedforward: frozenset[str] | None = None,
                 prefix_tokens: int = 0, nf4_base: bool = False, on_gpu: bool = True,
-                lycoris: bool = False, lokr: bool = False, loss_parallel: bool = False) -> Activations:
+                lycoris: bool = False, lokr: bool = False, loss_parallel: bool = False,
+                split_embedding_leaf: bool = False) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -172,6 +173,16 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     ``loss_parallel``: the logits are a DTensor sharded on the vocabulary (strategy tensor, ``vocab_parallel``)
     and cross-entropy runs under torch's loss_parallel (torch/distributed/tensor/parallel/loss.py), which
     builds the log-softmax and its backward from their parts instead of aten's fused kernels: see the loss terms.
+    ``split_embedding_leaf``: strategy tensor with the vocabulary split, a frozen embedding (PEFT) and gradient
+    checkpointing. transformers' ``activation_checkpointing_enable`` (modeling_utils.py) calls
+    ``enable_input_require_grads``, a forward hook on the input embedding that sets ``requires_grad_(True)`` on
+    its output. That hook was registered before ``parallelize_module`` added RowwiseParallel's output hook
+    (workers/strategies/common.py enables checkpointing when it builds the model), so it marks the embedding's
+    vocabulary-partial lookup (a DTensor, before its all-reduce) — a leaf, whose AccumulateGrad node in the
+    autograd graph holds it until backward ends — while the blocks read the all-reduced copy. One more tokens ×
+    hidden in the residual dtype, live all step (measured: ``index_select < aten::embedding`` live at the peak).
+    Without the split the hook marks the one output the first block reads, and a trained embedding's output is
+    not a leaf.
     ``lycoris``: LoHa or LoKr. peft builds each target's whole delta weight (loha/layer.py: HadaWeight keeps
     only its factors; lokr: torch.kron) and runs ``F.linear(x, delta_weight)`` (``_get_delta_activations``),
     which keeps the out × in delta weight (its compute-dtype copy under autocast) beside the input; there is
@@ -209,13 +220,18 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             return len(savers) * T * width * 2  # each autocast linear casts its own bf16 copy
         return T * width * (in_dtype_bytes if not regime.casts else 2)
 
-    def weight_casts(names: list[str]) -> int:
+    def weight_casts(names: list[str], frozen_input: tuple[str, ...] = ()) -> int:
+        """The 16-bit weight copies a block's matmuls keep under autocast. ``frozen_input``: linears whose
+        input needs no gradient (the first block's q/k/v under PEFT)."""
         if not regime.casts:
             return 0
         shapes = shape.linear_shapes()
         if regime.name == "lora16" or nf4_base:  # no fp32 base weight to cast; autocast caches bf16 copies of A and B
             return sum(2 * r * (shapes[n][0] + shapes[n][1]) for n in names if adapted(n) or adapted(n.split(".")[-1]))
-        return sum(2 * shapes[n][0] * shapes[n][1] for n in names)
+        # autocast caches the cast of a leaf that requires a gradient (a trained weight) for the whole forward
+        # (aten/src/ATen/autocast_mode.cpp: cached_cast); a frozen weight's cast is made per call and kept only
+        # where autograd saves it, for the gradient of the matmul's input
+        return sum(2 * shapes[n][0] * shapes[n][1] for n in names if full or n not in frozen_input)
 
     def lora_extra(names: list[str]) -> int:
         if ia3_feedforward is not None:
@@ -239,6 +255,11 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 n += T * dout * a
         return n
 
+    # A LoRA adapter is fp32 beside an fp32 base under autocast too (pipeline and tensor: the "autocast" regime):
+    # peft's layer casts SDPA's 16-bit output to the adapter's fp32 (peft/tuners/tuners_utils.py: _cast_input_dtype,
+    # which does not ask about autocast) and autocast casts that copy back to 16 bits for lora_A, which keeps it,
+    # as under lora16 (measured under strategy tensor: `_to_copy < linear` of o_proj's input live at the peak)
+    lora_autocast = regime.name == "autocast" and not (nf4_base or lycoris) and ia3_feedforward is None
     layer: list[int] = []
     small = T * 4  # per-token fp32 statistics (rsqrt, or mean + rstd for LayerNorm)
     for idx in range(shape.num_layers):
@@ -252,8 +273,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             n += T * 3 * qd * a + T * qd * a + shape.num_heads * T * 4  # q,k,v (one c_attn storage), out, lse
             n += padding_mask_bytes(shape, b, s, a) if padded and attention == "sdpa" else 0
             n += lora_extra(["c_attn", "c_proj"])
-            if ((regime.name == "lora16" or (nf4_base and regime.casts and not on_gpu)) and adapted("c_proj")
-                    and ia3_feedforward is None):
+            if ((regime.name == "lora16" or (nf4_base and regime.casts and not on_gpu) or lora_autocast)
+                    and adapted("c_proj") and ia3_feedforward is None):
                 n += T * qd * 2  # attn.c_proj's adapter: as o_proj's below, a recast copy of the attention output
             n += T * h * res + 2 * small  # ln_2 input
             n += linear_input(res if not regime.casts else 4, ["c_fc"], h)
@@ -261,7 +282,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             # or carries an adapter ("c_proj" adapts both projections)
             n += 4 * T * i * a + (T * i * a if (trainable("c_proj") or trainable("mlp.c_proj"))
                                   and ia3_feedforward is None else 0)
-            n += weight_casts(list(shape.linear_shapes())) + ia3_saved()
+            n += weight_casts(list(shape.linear_shapes()), () if in_grad else ("c_attn",)) + ia3_saved()
         else:
             norm_in = T * h * 4  # RMSNorm's fp32 view of its input, kept by pow
             # the normalised input kept for the norm's weight: in the residual dtype (Llama's RMSNorm casts it back
@@ -277,8 +298,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             if not full and regime.casts:
                 pass  # counted by linear_input: each adapted projection's lora_A casts its own copy
             n += lora_extra(attn_in + ["o_proj"])
-            if ((regime.name == "lora16" or (nf4_base and regime.casts and not on_gpu) or (lokr and regime.casts))
-                    and adapted("o_proj") and ia3_feedforward is None):
+            if ((regime.name == "lora16" or (nf4_base and regime.casts and not on_gpu) or (lokr and regime.casts)
+                 or lora_autocast) and adapted("o_proj") and ia3_feedforward is None):
                 # o_proj's adapter: PEFT's fp32 copy of the attention output, cast again (measured). LoKr under
                 # autocast: _get_delta_activations casts its input to the delta weight's dtype, fp32
                 # (peft/tuners/lokr/layer.py, _cast_input_dtype), which SDPA's 16-bit output is not, and F.linear
@@ -314,7 +335,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 n += (T * i * a if not trainable("down_proj") else 0)
             n += lora_extra(["gate_proj", "up_proj", "down_proj"])
             base_linears = list(shape.linear_shapes())
-            n += weight_casts(base_linears) + ia3_saved()
+            n += weight_casts(base_linears, () if in_grad else tuple(attn_in)) + ia3_saved()
             if shape.norms_per_layer == 4:
                 n += 2 * (T * h * 4 + small + (normalized if full else 0))
             if qat:
@@ -333,6 +354,8 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     if regime.casts and regime.name != "lora16":
         final += 2 * shape.vocab * h  # lm_head weight's bf16 copy
     final += T * 8  # embedding indices
+    if split_embedding_leaf:
+        final += T * h * res  # the embedding's partial lookup, kept by its AccumulateGrad (see the docstring)
     if shape.family != "gpt2":
         final += 2 * s * shape.head_dim * regime.residual  # cast to the hidden states' dtype
     # workers/steps.py token_loss_sum shifts the labels, not the logits: cross-entropy runs over all
@@ -796,6 +819,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                           # prompt tuning's virtual tokens are trainable embeddings: the first block's input needs a gradient
                           input_grad=t.peft.method == PeftMethod.prompt_tuning,
                           loss_parallel=strategy == "tensor" and shape.vocab != model_shape.vocab,
+                          split_embedding_leaf=(strategy == "tensor" and shape.vocab != model_shape.vocab
+                                                and t.gradient_checkpointing and not full),
                           **method_terms(spec, shape))
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     # FSDP2's offloaded gradients exist only from each unit's reduce-scatter in backward (foreach_reduce copies the
