@@ -335,7 +335,7 @@ def measure(case: Case, model_dir: str, timeout_s: float = 600) -> dict:
         steps = [r for r in results[rank] if r["phase"] == "step" and r.get("peak_bytes") is not None]
         best = max(steps, key=lambda r: r["peak_bytes"])
         phases = {r["phase"]: r["peak_bytes"] for r in results[rank] if r["phase"] != "step" and r["step"] == best["step"]}
-        ranks.append({**best, "phase_peaks": phases})
+        ranks.append({**best, "phase_peaks": phases, "step_peaks": [r["peak_bytes"] for r in steps]})
     return {"case": asdict(case), "ranks": ranks}
 
 
