@@ -330,7 +330,10 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
             # MLP: gate, act(gate), up kept by the activation and the product; the product by down_proj
             mlp = 4 if nf4_base and regime.casts else a  # Linear4bit hands back fp32 for an fp32 input
             n += 3 * T * i * mlp + (T * i * a if trainable("down_proj") and ia3_feedforward is None else 0)
-            if zero3_linear and not full and in_grad:  # ZeRO-3's linear keeps the frozen MLP's inputs too
+            if zero3_linear and not full and in_grad:  # ZeRO-3's linear keeps the frozen linears' inputs too
+                # (o_proj's is SDPA's output, kept anyway): the attention's input where no q/k/v adapter keeps it
+                # (prompt tuning: measured, the input norm's output live at the peak), the MLP's
+                n += (T * h * a if not any(trainable(c) for c in attn_in) else 0)
                 n += (T * h * a if not any(trainable(c) for c in ("gate_proj", "up_proj")) else 0)
                 n += (T * i * a if not trainable("down_proj") else 0)
             n += lora_extra(["gate_proj", "up_proj", "down_proj"])
@@ -349,6 +352,10 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     if full:
         final += T * h * (4 if shape.family.startswith("gemma") else regime.residual)  # normalised input (see normalized)
         final += T * h * (2 if regime.act == 2 else 4)  # lm_head's input (its bf16 copy under autocast)
+    if zero3_linear and not full and shape.family != "gpt2":
+        # ZeRO-3's linear (deepspeed/runtime/zero/linear.py: LinearFunctionForZeroStage3) keeps the frozen LM head's
+        # input, the final norm's output, which needs a gradient once anything before it trains (measured)
+        final += T * h * a
     if qat and not shape.tied_embeddings:  # lm_head is quantised unless it is the embedding's weight
         final += qat_linear_bytes(T, h, V, *qat) - (T * h * 4 if qat[1] else 0)
     if regime.casts and regime.name != "lora16":
