@@ -119,10 +119,10 @@ def measure(case: HoldoutCase, folder: Path) -> dict:
         if not traced:
             raise RuntimeError(f"{case.name}: rank {rank} traced no step ≥ 3")
         best = max(traced, key=lambda r: r["peak_bytes"])
-        measured.append({k: best.get(k) for k in (
+        measured.append(dict({k: best.get(k) for k in (
             "rank", "step", "peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_bytes", "other_bytes",
             "activations_bytes", "temporary_bytes", "host_parameters_bytes", "host_gradients_bytes",
-            "host_optimizer_bytes")})
+            "host_optimizer_bytes")}, step_peaks=[r["peak_bytes"] for r in traced]))
     return {"name": case.name, "seconds": round(seconds, 1), "ranks": measured, "data": case.data}
 
 
