@@ -510,6 +510,8 @@ class MemoryTrace:
         return acts
 
     def start(self) -> None:
+        if self.device.type == "cpu":
+            _WAITS.install()
         try:
             from torch._C._profiler import ProfilerActivity, RecordScope, _ExperimentalConfig
             from torch.autograd.profiler import ProfilerConfig, ProfilerState, _enable_profiler, _prepare_profiler
@@ -528,6 +530,8 @@ class MemoryTrace:
 
     def stop(self):
         """The recorded events (``_KinetoEvent``s)."""
+        if self.device.type == "cpu":
+            _WAITS.remove()
         if self._public is not None:
             prof, self._public = self._public, None
             prof.__exit__(None, None, None)
@@ -535,6 +539,61 @@ class MemoryTrace:
         from torch.autograd.profiler import _disable_profiler
 
         return _disable_profiler().events()
+
+
+class _CollectiveWaits:
+    """While a CPU step is traced, every collective's wait returns a moment later, so that the tensors the
+    collective holds are freed on the thread the profiler sees.
+
+    The profiler records a free only on a thread it profiles (c10/core/impl/alloc_cpu.cpp's
+    ProfiledCPUMemoryReporter reports through c10::reportMemoryUsageToProfiler, which reads the calling
+    thread's profiler state), and gloo's worker thread (ProcessGroupGloo::runLoop) is not one. That
+    thread keeps a finished collective's work, with its input and output tensors, until after it has woken
+    the waiting thread. When the caller drops those tensors before the worker has let go of the work — a
+    ZeRO-3 gather buffer released right after a short forward, FSDP2's all-gather output after its copy-out,
+    a tensor-parallel all-reduce output after the residual add — the last reference goes on gloo's thread,
+    the free is never recorded, and the trace counts the tensor as live until the step ends: one more
+    buffer at some steps and ranks and not at others, a race in the measurement, not in the memory
+    (tests/test_telemetry.py shows it with a bare gloo group: a dropped all-gather output stays "live" in
+    some traces without the pause, in none with it). A pause after the wait lets the worker finish first.
+    Only traced steps pay it (~3 ms per collective); GPU traces read the CUDA allocator's own counters."""
+
+    PAUSE_S = 0.003
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def install(self) -> None:
+        if self._saved:
+            return
+        try:
+            from torch._C._distributed_c10d import Work
+            import torch.distributed._functional_collectives as funcol
+        except ImportError:  # a torch without distributed
+            return
+        pause = self.PAUSE_S
+
+        def work_wait(work, *args, _wait=Work.wait, **kwargs):
+            out = _wait(work, *args, **kwargs)
+            time.sleep(pause)
+            return out
+
+        def wait_tensor(tensor, _wait=funcol.wait_tensor):
+            out = _wait(tensor)
+            time.sleep(pause)
+            return out
+
+        self._saved = [(Work, "wait", Work.wait), (funcol, "wait_tensor", funcol.wait_tensor)]
+        Work.wait = work_wait
+        funcol.wait_tensor = wait_tensor
+
+    def remove(self) -> None:
+        for owner, name, original in self._saved:
+            setattr(owner, name, original)
+        self._saved = []
+
+
+_WAITS = _CollectiveWaits()
 
 
 def summarize_profile(events, device: torch.device, base_live_bytes: int) -> dict[str, Any]:
