@@ -4,6 +4,9 @@ telemetry measures on real training steps, and parameters/gradients/optimizer st
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("torch")
@@ -57,7 +60,8 @@ def test_tensor_parallel_lora_checkpointing_is_planned_at_its_measured_level_and
     res = measure(case, model_dirs[case.family], timeout_s=240)
     lowest = min(p for rk in res["ranks"] for p in rk["step_peaks"])
     planned = predicted_categories(predict(case))["total"]
-    held = case.micro_batch * case.seq * 256 * 4  # one fp32 tokens × hidden (small-llama's hidden is 256)
+    hidden = json.loads(Path(model_dirs[case.family], "config.json").read_text())["hidden_size"]
+    held = case.micro_batch * case.seq * hidden * 4  # one fp32 tokens × hidden
     assert lowest <= planned <= lowest + held + 0.01 * lowest, (planned, lowest)
 
 
@@ -94,15 +98,15 @@ def test_drawn_configs_are_fixed_by_their_seed_and_are_jobs_the_service_accepts(
 def test_zero3_prompt_tuning_is_planned_at_its_measured_level(tmp_path, monkeypatch):
     """DeepSpeed ZeRO-3 with prompt tuning (no q/k/v adapter): ZeRO-3's linear keeps every frozen linear's input that
     needs a gradient — each block's attention input and the LM head's — which the planner once left out (3.9 MiB,
-    −1.21%). The lowest level the step reaches (steps 3-6, both ranks; the zero3_frozen_gloo extra only adds) is
-    planned, and not more than 3% above."""
-    from bench.holdout_accuracy import measure, predict, predicted_categories
+    −1.21%). Every step's peak (steps 3-6, both ranks) is planned, and the plan is not more than 3% above the
+    lowest. (Before traces paused after each collective's wait, some steps showed one more embedding-sized buffer:
+    gloo's thread had freed it, unrecorded; workers/telemetry.py: _CollectiveWaits.)"""
     from bench import holdout_accuracy
     from bench.holdout_matrix import CHECKS
 
-    monkeypatch.setattr(holdout_accuracy, "STEPS", 6)  # 8 rank-steps: the extra never held them all in the runs seen
+    monkeypatch.setattr(holdout_accuracy, "STEPS", 6)
     case = next(c for c in CHECKS if c.name == "check llama s384 prompt_tuning fp32 zero3×2 mb2")
-    res = measure(case, tmp_path)
-    lowest = min(p for rk in res["ranks"] for p in rk["step_peaks"])
-    planned = predicted_categories(predict(case, 0))["total"]
-    assert lowest <= planned <= 1.03 * lowest, (planned, lowest)
+    res = holdout_accuracy.measure(case, tmp_path)
+    peaks = [p for rk in res["ranks"] for p in rk["step_peaks"]]
+    planned = holdout_accuracy.predicted_categories(holdout_accuracy.predict(case, 0))["total"]
+    assert max(peaks) <= planned <= 1.03 * min(peaks), (planned, peaks)

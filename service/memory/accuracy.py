@@ -11,13 +11,22 @@ its worst under-prediction where it measured a strategy the first matrix has; a 
 on a config or two (ZeRO-1, FSDP2 without resharding or with CPU offload), and one neither measured
 (ZeRO-0, DeepSpeed with only one kind of offload) get the largest margin of the measured strategies, and
 say so. Whoever re-measures a matrix updates its row here.
+
+DeepSpeed once had two CPU-only rows more: with accumulation (−7.17%) and ZeRO-3 with a frozen base (−5.79%), a
+step's peak one collective buffer higher at some steps. That buffer was the telemetry's, not the memory's: freed on
+gloo's worker thread, where the profiler records no free (workers/telemetry.py: _CollectiveWaits). Re-measured
+with traces that pause after each wait (2026-12-05): bench/holdout_accuracy.py --drawn 16 --seed 1 --filter zero
+--skip acc1 (8 DeepSpeed configs with accumulation 2-3, 16 rank samples) worst −0.08%, the ZeRO-2 accumulation-3
+config 159.3-159.5 MiB against 159.5 planned (160.0-171.8 measured before); --checks --filter zero3 --steps 8,
+twice, and its LoRA check three times more: no step above the level planned within +0.89%…+1.22%, the
+embedding-sized extra never seen. Both rows are gone: such jobs carry their ZeRO stage's margin.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.domain.spec import JobSpec, PeftMethod, StrategyName
+from service.domain.spec import JobSpec, StrategyName
 
 
 @dataclass(frozen=True)
@@ -77,41 +86,15 @@ MARGINS: dict[str, Measured] = {
     # 144 rank samples): worst −2.38% (small-qwen2 s512 full fp32 + checkpointing, rank 1 of one run: 4.2 MiB, two
     # fp32 tokens × hidden, above the plan; 169.2 MiB on the other rank and in the other run), every other sample
     # −1.2% or above, max over-prediction +2.2%. The margin is that worst.
-    # DeepSpeed with gradient accumulation on CPU workers (gloo): like FSDP2's, the step's peak varies from step to
-    # step and rank to rank (collective buffers of one micro-batch still held by gloo's threads at the next one's
-    # peak; DDP is unaffected, it skips the all-reduce until the last micro-batch). Measured on configs drawn by
-    # bench/holdout_matrix.py: drawn (--drawn 16 --seed 1) and re-run: small-qwen3 s1024 full fp32 + checkpointing,
-    # ZeRO-2, accumulation 3: 160.0 to 171.8 MiB over steps 3-4 and both ranks against 159.5 planned (−7.17%),
-    # 149.34 MiB at every step with accumulation 1; ZeRO-3 prompt tuning accumulation 2: 160.8 or 168.7 MiB by run
-    # (−5.79%). Not planned per instant yet: the worst is the margin of every DeepSpeed job with accumulation on CPU.
-    "zero_accumulation_gloo": Measured(0.0717, "bench/holdout_accuracy.py --drawn 16 --seed 1 and re-runs: DeepSpeed "
-                                               "with accumulation > 1 over gloo, worst −7.17% (small-qwen3 ZeRO-2, "
-                                               "accumulation 3, the highest of its step-to-step levels)"),
-    # ZeRO-3 with a frozen base (PEFT) on CPU workers, without accumulation: at some steps, on one rank, one more
-    # tensor the size of the embedding (vocab × hidden fp32, 7.81 MiB at small-llama's 8000 × 256) is live through
-    # the whole step (its optimizer phase too) — as if ZeRO-3's gathered copy of it had outlived its release. Seen on
-    # small-llama LoRA (two of three runs) and prompt tuning (one of three; and in re-runs of the drawn config),
-    # on one rank or both, at varying steps; never on the full
-    # fine-tune or on small-qwen2 LoRA (tied embedding) in the same runs, nor under ZeRO-2 (which gathers no
-    # parameters). Not explained, so not planned: the worst is the margin of ZeRO-3 + PEFT jobs on CPU workers.
-    "zero3_frozen_gloo": Measured(0.0579, "bench/holdout_accuracy.py --checks --filter zero3 --steps 8, three runs "
-                                          "(2026-12-05): small-llama prompt tuning ZeRO-3, accumulation 1, −5.79% at "
-                                          "the step where one more embedding-sized tensor was live; LoRA −4.29%"),
     "tp2": Measured(0.0238, "bench/memory_accuracy.py --filter tp2,s512 (twice) and --filter tp2,s128 (48 configs "
                             "over small-llama, small-qwen2, small-gpt2, vocabulary split; 144 rank samples): worst "
                             "−2.38%, a step where gloo's thread still held more than the one buffer planned"),
 }
 
 
-def matrix_key(spec: JobSpec, on_gpu: bool = False) -> str | None:
+def matrix_key(spec: JobSpec) -> str | None:
     """The accuracy-matrix row that measured ``spec``'s strategy, or None for a variant none measured."""
     t = spec.training
-    if (t.strategy == StrategyName.deepspeed and not on_gpu
-            and spec.resolved().gradient_accumulation_steps > 1):
-        return "zero_accumulation_gloo"
-    if (t.strategy == StrategyName.deepspeed and not on_gpu and t.deepspeed.zero_stage == 3
-            and t.peft.method != PeftMethod.none):
-        return "zero3_frozen_gloo"
     if t.strategy == StrategyName.ddp:
         return "ddp"
     if t.strategy == StrategyName.fsdp:
@@ -133,9 +116,9 @@ def matrix_key(spec: JobSpec, on_gpu: bool = False) -> str | None:
     return None
 
 
-def accuracy_margin(spec: JobSpec, on_gpu: bool = False) -> tuple[float, str]:
-    """(the margin as a fraction of the peak, where it was measured) for ``spec`` (on GPU workers or CPU ones)."""
-    key = matrix_key(spec, on_gpu)
+def accuracy_margin(spec: JobSpec) -> tuple[float, str]:
+    """(the margin as a fraction of the peak, where it was measured) for ``spec``."""
+    key = matrix_key(spec)
     if key is not None:
         m = MARGINS[key]
         return m.under_prediction, m.where

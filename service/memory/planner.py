@@ -820,14 +820,14 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                    for v in stage_views
                    if stage is None or v.index == stage]
     else:
+        vocab_split = strategy == "tensor" and shape.vocab != model_shape.vocab
         act = activations(shape, b, s, ACTIVATION_SIZES[rg.name], targets, t.peft.r, t.attention,
                           zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded,
                           loss_chunk_tokens=t.loss_chunk_tokens, nf4_base=qlora, on_gpu=on_gpu,
                           # prompt tuning's virtual tokens are trainable embeddings: the first block's input needs a gradient
                           input_grad=t.peft.method == PeftMethod.prompt_tuning,
-                          loss_parallel=strategy == "tensor" and shape.vocab != model_shape.vocab,
-                          split_embedding_leaf=(strategy == "tensor" and shape.vocab != model_shape.vocab
-                                                and t.gradient_checkpointing and not full),
+                          loss_parallel=vocab_split,
+                          split_embedding_leaf=vocab_split and t.gradient_checkpointing and not full,
                           **method_terms(spec, shape))
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     # FSDP2's offloaded gradients exist only from each unit's reduce-scatter in backward (foreach_reduce copies the
@@ -903,7 +903,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             # it has woken the waiting main thread. The residual add reads the output and drops it at once, so
             # whether it is freed then or a little later on gloo's thread, after the main thread's next
             # allocations, is a race. Measured (bench/memory_accuracy.py --filter tp2): one tokens × hidden more
-            # at some steps and runs, never two; gone with a 3 ms pause after every funcol wait. The upper level.
+            # at most steps where any, two on one rank of one run in 144 rank samples (that rank is the tp2 margin,
+            # service/memory/accuracy.py); gone with a 3 ms pause after every funcol wait. One is planned.
             held = b * s * shape.hidden * ACTIVATION_SIZES[rg.name].residual
             for k in ("forward", "backward", "backward_recompute", "backward_end"):
                 if k in cands:
@@ -938,7 +939,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         capacity = t.resources.host_memory_budget_bytes or DEFAULT_HOST_BYTES
     usable = int(capacity * (1 - safety_margin))
     # The planner's own measured error for this strategy (service/memory/accuracy.py) must fit too.
-    accuracy, accuracy_source = accuracy_margin(spec, on_gpu)
+    accuracy, accuracy_source = accuracy_margin(spec)
     peak = dev.total + (0 if on_gpu else host.total)
     accuracy_bytes = math.ceil(peak * accuracy)
     need = dev.total + (0 if on_gpu else host.total + runtime) + accuracy_bytes
