@@ -4,9 +4,6 @@ telemetry measures on real training steps, and parameters/gradients/optimizer st
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("torch")
@@ -50,19 +47,17 @@ def check(case: Case, ranks: list[dict]) -> None:
         assert abs(pred[c] - states[c]) <= 0.01 * max(states[c], 1) + 4096, (case.name, c, pred[c], states[c])
 
 
-def test_tensor_parallel_lora_checkpointing_is_planned_at_its_measured_level_and_one_gloo_buffer_above(model_dirs):
+def test_tensor_parallel_lora_checkpointing_is_planned_at_every_steps_peak(model_dirs):
     """Strategy tensor with the vocabulary split, LoRA, autocast and checkpointing: the three terms found in its
     peak (the embedding's partial lookup kept as a leaf, LoRA's recast of o_proj's input, no kept cast of block
-    0's frozen q/k/v weights) and the one tokens × hidden buffer gloo's thread may still hold. The lowest level the
-    step reaches (steps 3-5, both ranks: gloo's race only ever adds) is planned, and nothing more than that buffer
-    and a little slack above it. Without the terms the plan is ~1.4 MiB under that level."""
+    0's frozen q/k/v weights). Every step's peak (steps 3-5, both ranks) is within 1% of the plan; without the
+    terms the plan is ~1.4 MiB under. (Before traces paused after each collective's wait, some steps showed an
+    all-reduce output more, freed on gloo's thread where the profiler records no free.)"""
     case = Case("small-llama", 128, "lora", "bf16", True, "tp2", steps=5)
     res = measure(case, model_dirs[case.family], timeout_s=240)
-    lowest = min(p for rk in res["ranks"] for p in rk["step_peaks"])
+    peaks = [p for rk in res["ranks"] for p in rk["step_peaks"]]
     planned = predicted_categories(predict(case))["total"]
-    hidden = json.loads(Path(model_dirs[case.family], "config.json").read_text())["hidden_size"]
-    held = case.micro_batch * case.seq * hidden * 4  # one fp32 tokens × hidden
-    assert lowest <= planned <= lowest + held + 0.01 * lowest, (planned, lowest)
+    assert all(abs(planned - p) <= 0.01 * p for p in peaks), (planned, peaks)
 
 
 @pytest.mark.parametrize("case", SLICE_IN_PROCESS, ids=lambda c: c.name.replace(" ", "_"))

@@ -412,7 +412,7 @@ class StepTelemetry:
     # -- profiler --------------------------------------------------------------------------
 
     def _start_profiler(self) -> None:
-        self._prof = MemoryTrace(self.device)
+        self._prof = MemoryTrace(self.device, pause_waits=self.strategy != "fsdp")
         self._prof.start()
         with torch.profiler.record_function(_MARK_PREFIX + "begin"):
             pass
@@ -499,8 +499,10 @@ class MemoryTrace:
     ``torch.autograd.profiler.profile`` enables it the same way, with every scope. Where these
     private entry points are missing (another torch), the public profiler is used instead."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pause_waits: bool = True):
         self.device = device
+        # FSDP2's waits pace its prefetching: a pause there changes what is in flight, so its traces keep none
+        self._pause = pause_waits and device.type == "cpu"
         self._public = None
 
     def _activities(self, kind):
@@ -510,7 +512,7 @@ class MemoryTrace:
         return acts
 
     def start(self) -> None:
-        if self.device.type == "cpu":
+        if self._pause:
             _WAITS.install()
         try:
             from torch._C._profiler import ProfilerActivity, RecordScope, _ExperimentalConfig
@@ -530,7 +532,7 @@ class MemoryTrace:
 
     def stop(self):
         """The recorded events (``_KinetoEvent``s)."""
-        if self.device.type == "cpu":
+        if self._pause:
             _WAITS.remove()
         if self._public is not None:
             prof, self._public = self._public, None

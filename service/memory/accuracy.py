@@ -81,14 +81,14 @@ MARGINS: dict[str, Measured] = {
     # |error| 0.58%; the s512 half (--filter tp2,s512, same families, 24 configs): worst −2.73% (small-llama
     # LoRA fp32 + checkpointing, rank 0). Those missing bytes were found (2026-12-05, the profiler's live
     # allocations at the peak) and are planned now (service/memory/planner.py: split_embedding_leaf, lora_autocast,
-    # the frozen first block's weight casts, and gloo's held all-reduce output at its upper level of one
-    # tokens × hidden). Re-measured after: --filter tp2,s512 twice and --filter tp2,s128 once (same families,
-    # 144 rank samples): worst −2.38% (small-qwen2 s512 full fp32 + checkpointing, rank 1 of one run: 4.2 MiB, two
-    # fp32 tokens × hidden, above the plan; 169.2 MiB on the other rank and in the other run), every other sample
-    # −1.2% or above, max over-prediction +2.2%. The margin is that worst.
-    "tp2": Measured(0.0238, "bench/memory_accuracy.py --filter tp2,s512 (twice) and --filter tp2,s128 (48 configs "
-                            "over small-llama, small-qwen2, small-gpt2, vocabulary split; 144 rank samples): worst "
-                            "−2.38%, a step where gloo's thread still held more than the one buffer planned"),
+    # the frozen first block's weight casts). What was left, one or two fp32 tokens × hidden at some steps and ranks
+    # (−2.38% at worst over 144 rank samples), was gloo's worker thread freeing an all-reduce output where the
+    # profiler records no free (workers/telemetry.py: _CollectiveWaits). With traces that pause after each wait,
+    # --filter tp2,s512 and --filter tp2,s128 (same families, 48 configs, 96 rank samples, 2026-12-05): every step
+    # of every rank at one level, worst −0.24% (small-gpt2 s128 LoRA bf16), max +1.09%. The margin is that worst.
+    "tp2": Measured(0.0024, "bench/memory_accuracy.py --filter tp2,s512 and --filter tp2,s128 (48 configs over "
+                            "small-llama, small-qwen2, small-gpt2, vocabulary split; 96 rank samples, traces pausing "
+                            "after each collective's wait): worst −0.24%"),
 }
 
 

@@ -896,20 +896,6 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             # the upper level planned is one root and one block per micro-batch of the step.
             g_b, a_b, tmp_b = cands["backward"]
             cands["backward_rs_in_flight"] = (g_b, a_b, tmp_b + rs_in_flight)
-        if strategy == "tensor" and not on_gpu:
-            # Tensor parallelism over gloo: a row-wise layer's output is all-reduced into a new tensor
-            # (torch/csrc/distributed/c10d/Functional.cpp: all_reduce clones its input and registers the work),
-            # and gloo's worker thread (ProcessGroupGloo::runLoop) keeps the work, with that tensor, until after
-            # it has woken the waiting main thread. The residual add reads the output and drops it at once, so
-            # whether it is freed then or a little later on gloo's thread, after the main thread's next
-            # allocations, is a race. Measured (bench/memory_accuracy.py --filter tp2): one tokens × hidden more
-            # at most steps where any, two on one rank of one run in 144 rank samples (that rank is the tp2 margin,
-            # service/memory/accuracy.py); gone with a 3 ms pause after every funcol wait. One is planned.
-            held = b * s * shape.hidden * ACTIVATION_SIZES[rg.name].residual
-            for k in ("forward", "backward", "backward_recompute", "backward_end"):
-                if k in cands:
-                    g_k, a_k, tmp_k = cands[k]
-                    cands[k] = (g_k, a_k, tmp_k + held)
         if gloo_units is not None:
             cands.update(fsdp_gloo_instants(shape, gloo_units, cands, act, b * s, N, full, rg,
                                             chunked_loss=bool(t.loss_chunk_tokens)))
