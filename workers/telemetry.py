@@ -412,6 +412,7 @@ class StepTelemetry:
     # -- profiler --------------------------------------------------------------------------
 
     def _start_profiler(self) -> None:
+        # FSDP2's waits pace its prefetching: a pause there changes what is in flight, so its traces take none
         self._prof = MemoryTrace(self.device, pause_waits=self.strategy != "fsdp")
         self._prof.start()
         with torch.profiler.record_function(_MARK_PREFIX + "begin"):
@@ -501,8 +502,7 @@ class MemoryTrace:
 
     def __init__(self, device: torch.device, pause_waits: bool = True):
         self.device = device
-        # FSDP2's waits pace its prefetching: a pause there changes what is in flight, so its traces keep none
-        self._pause = pause_waits and device.type == "cpu"
+        self._pause = pause_waits and device.type == "cpu"  # _CollectiveWaits while recording
         self._public = None
 
     def _activities(self, kind):
@@ -552,13 +552,15 @@ class _CollectiveWaits:
     thread's profiler state), and gloo's worker thread (ProcessGroupGloo::runLoop) is not one. That
     thread keeps a finished collective's work, with its input and output tensors, until after it has woken
     the waiting thread. When the caller drops those tensors before the worker has let go of the work — a
-    ZeRO-3 gather buffer released right after a short forward, FSDP2's all-gather output after its copy-out,
-    a tensor-parallel all-reduce output after the residual add — the last reference goes on gloo's thread,
+    ZeRO-3 gather buffer released right after a short forward, a tensor-parallel all-reduce output after the
+    residual add — the last reference goes on gloo's thread,
     the free is never recorded, and the trace counts the tensor as live until the step ends: one more
     buffer at some steps and ranks and not at others, a race in the measurement, not in the memory
     (tests/test_telemetry.py shows it with a bare gloo group: a dropped all-gather output stays "live" in
     some traces without the pause, in none with it). A pause after the wait lets the worker finish first.
-    Only traced steps pay it (~3 ms per collective); GPU traces read the CUDA allocator's own counters."""
+    Only traced steps pay it (~3 ms per collective); GPU traces read the CUDA allocator's own counters. FSDP2's
+    traces take no pause (StepTelemetry._start_profiler): its waits pace its prefetch, so a pause would change the
+    memory it measures."""
 
     PAUSE_S = 0.003
 
