@@ -6,6 +6,7 @@ fixed start-up cost; tests use it for single-process checks (PEFT methods, accum
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -28,6 +29,7 @@ def _worker(rank: int, world_size: int, port: int, args_dict: dict, out_dir: str
     from workers.steps import WorkerEnv
     from workers.strategies import train
 
+    faulthandler.enable(all_threads=True)  # a fatal signal (gloo's std::terminate) prints every thread's stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -37,6 +39,9 @@ def _worker(rank: int, world_size: int, port: int, args_dict: dict, out_dir: str
         env.resume_dir = resume_dir
         artifacts = train(TrainArgs(**args_dict), env)
         torch.save({"reports": env.reports, "artifacts": artifacts}, Path(out_dir, f"rank{rank}.pt"))
+        # No rank closes its gloo connections while another is still at work: a peer's close reaching gloo's
+        # loop thread outside a collective can end that process with an uncaught gloo::IoException (SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -56,6 +61,12 @@ def run_local(args, world_size: int = 1, device: str = "cpu", resume_dir: str | 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(world_size, _free_port(), args.to_dict(), out, device, resume_dir), nprocs=world_size,
-                           join=True, start_method="spawn")
+        try:
+            mp.start_processes(_worker, args=(world_size, _free_port(), args.to_dict(), out, device, resume_dir),
+                               nprocs=world_size, join=True, start_method="spawn")
+        except mp.ProcessExitedException as exc:
+            done = sorted(int(p.stem[4:]) for p in Path(out).glob("rank*.pt"))
+            exc.add_note(f"ranks that had written their result before the failure: {done or 'none'} of {world_size}"
+                         " (the failed rank's stack, if it was a fatal signal, is in its stderr)")
+            raise
         return [torch.load(Path(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
