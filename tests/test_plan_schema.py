@@ -28,7 +28,8 @@ from service.settings import Settings
 CASES = json.loads((Path(__file__).parent / "data" / "plans_before_typed_plan.json").read_text())
 # One captured value was updated with host memory per node (service/memory/host.py, tested in
 # tests/test_host_memory.py): the fsdp_offload suggestion's host_total_bytes of fsdp_2_workers_l4 now
-# counts the pinned shards' power-of-two rounding.
+# counts the pinned shards' power-of-two rounding. fsdp_2_workers_l4's plan was updated with FSDP2's root
+# reduce-scatter instant (service/memory/planner.py: fsdp_root_reduce), now its peak: only that case changed.
 
 
 @pytest.fixture(scope="module")

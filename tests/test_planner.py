@@ -306,7 +306,7 @@ def test_qlora_7b_holds_an_nf4_base_and_no_16bit_copy_of_it():
 
 
 
-def _small_llama_fsdp2(gpu: str | None = None, **training):
+def _small_llama_fsdp2(gpu: str | None = None, model: str = "preset:small-llama", **training):
     from service.domain.model_ref import resolve_model
     from service.memory.shape import shape_for_model
 
@@ -316,25 +316,34 @@ def _small_llama_fsdp2(gpu: str | None = None, **training):
         t["resources"].update(gpus_per_worker=1, gpu_type=gpu)
     for k, v in training.items():
         t[k] = {**t[k], **v} if isinstance(v, dict) and isinstance(t.get(k), dict) else v
-    s = JobSpec.model_validate({"model": "preset:small-llama", "training_file": "file-x", "training": t})
+    s = JobSpec.model_validate({"model": model, "training_file": "file-x", "training": t})
     shape = shape_for_model(resolve_model(s.model, ()))
     return plan(s, shape, gpu), shape
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_fsdp2_over_gloo_with_accumulation_plans_the_reduce_scatter_inputs_still_in_flight_at_a_later_loss(offload):
-    """FSDP2 on CPU workers (gloo), full fine-tune, accumulation k > 1: a later micro-batch's loss may meet the
-    reduce-scatter inputs gloo still holds, planned as one root-sized and one block-sized buffer (in the
-    reduction dtype, fp32 here) per micro-batch — the measured upper level (bench/holdout_matrix.py: the acc
-    checks). Not with one micro-batch, not for LoRA (its reduce-scatters are the adapters'), not on a GPU."""
-    fsdp = {"cpu_offload": offload}
-    for k in (2, 3):
-        p, shape = _small_llama_fsdp2(hyperparameters={"gradient_accumulation_steps": k}, fsdp=fsdp)
-        root = shape.parameter_count() - shape.num_layers * shape.layer_params()
-        assert p.phases["backward_rs_in_flight"] - p.phases["backward"] == k * (root + shape.layer_params()) * 4
-        assert p.peak_bytes >= p.phases["backward_rs_in_flight"]
-    one, _ = _small_llama_fsdp2(fsdp=fsdp)
-    lora, _ = _small_llama_fsdp2(hyperparameters={"gradient_accumulation_steps": 2}, fsdp=fsdp,
-                                 peft={"method": "lora", "r": 8})
-    gpu, _ = _small_llama_fsdp2("a100-40gb", hyperparameters={"gradient_accumulation_steps": 2}, fsdp=fsdp)
-    assert all("backward_rs_in_flight" not in p.phases for p in (one, lora, gpu))
+def test_fsdp2_plans_the_roots_reduce_scatter_with_the_gradient_its_loop_keeps_and_gloos_copy_on_cpu():
+    """FSDP2, full fine-tune on 2 ranks: at the root's reduce-scatter (the last of backward) every gradient shard
+    exists, beside the root's reduce-scatter input, the root's last gradient (foreach_reduce's loop variable keeps
+    it: lm_head's vocab × hidden when untied, the final norm's weight when tied) and, on gloo, the input's copy
+    ProcessGroupGloo reduces. No such instant for LoRA (the root does not train) or one rank (no reduce-scatter);
+    accumulation adds nothing to it (memfit reduces every micro-batch)."""
+    def temporaries(p):  # the instant's bytes beyond the model states (sharded, all on the device here)
+        st = p.model_states.device
+        return p.phases["root_reduce"] - st.parameters - st.gradients - st.optimizer_states
+
+    cpu, shape = _small_llama_fsdp2()
+    gpu, _ = _small_llama_fsdp2("a100-40gb")
+    root = shape.parameter_count() - shape.num_layers * shape.layer_params()
+    assert not shape.tied_embeddings
+    assert temporaries(cpu) == 2 * root * 4 + shape.vocab * shape.hidden * 4
+    assert temporaries(gpu) == root * 4 + shape.vocab * shape.hidden * 4
+    bf16, _ = _small_llama_fsdp2(precision="bf16")  # fp32 shards gathered in bf16, reduced in fp32
+    assert temporaries(bf16) == 2 * root * 4 + shape.vocab * shape.hidden * 2
+    acc, _ = _small_llama_fsdp2(hyperparameters={"gradient_accumulation_steps": 3})
+    assert temporaries(acc) == temporaries(cpu)
+    tied, tied_shape = _small_llama_fsdp2(model="preset:small-qwen2")
+    tied_root = tied_shape.parameter_count() - tied_shape.num_layers * tied_shape.layer_params()
+    assert tied_shape.tied_embeddings and temporaries(tied) == 2 * tied_root * 4 + tied_shape.hidden * 4
+    lora, _ = _small_llama_fsdp2(peft={"method": "lora", "r": 8})
+    one, _ = _small_llama_fsdp2(resources={"num_workers": 1})
+    assert "root_reduce" not in lora.phases and "root_reduce" not in one.phases

@@ -42,19 +42,21 @@ MARGINS: dict[str, Measured] = {
     # copy of o_proj's input is planned, and no other DDP row under by more than 0.3%.
     "ddp": Measured(0.0092, "bench/memory_accuracy.py ddp1 (worst −0.92%, small-gpt2 LoRA fp32 + checkpointing s512) "
                             "and bench/holdout_accuracy.py at 1-3 ranks (none under beyond 0.3%)"),
-    # FSDP2 ×2 over gloo, resharding after forward, predicting the upper level of its step-to-step peaks
-    # (planner.py: fsdp_gloo_instants). llama/qwen2: two runs of --filter fsdp2, worst −0.04% per rank;
-    # gpt2/gemma: that grid's measurements (docs/memory-accuracy-gpt2-gemma.md) re-predicted, worst −7.02%
-    # (small-gpt2 fp32 + checkpointing, s128: a gloo race level the planner does not reach there).
-    "fsdp2": Measured(0.0702, "bench/memory_accuracy.py fsdp2, llama/qwen2 grid (worst −0.04%) and the gpt2/gemma "
-                              "grid re-predicted (worst −7.02%, small-gpt2 fp32 + checkpointing, s128)"),
-    # FSDP2 with CPU offload (resharding after forward): the held-out matrix's two configs (+0.01%, +0.08%) and
-    # the checks (bench/holdout_accuracy.py --checks --filter fsdp2-offload --fsdp-steps 12). With accumulation the
-    # step peaks at a gloo race level; since the planner plans its upper level (planner.py: backward_rs_in_flight)
-    # no offload check is under: the acc2 check went from −7.42% to +1.06% at worst, and the checks written
-    # before measuring (qwen2 bf16 acc2, qwen3 acc4, qwen2 acc3) are +1.67% to +16% over. No measured under-prediction.
-    "fsdp2_offload": Measured(0.0, "bench/holdout_accuracy.py --checks --filter fsdp2-offload --fsdp-steps 12: "
-                                   "2 held-out configs and 6 checks, none under (worst +0.01%)"),
+    # FSDP2 ×2 over gloo, resharding after forward. With traces that pause after each collective's wait
+    # (workers/telemetry.py: _CollectiveWaits, FSDP2 included since 2026-12-06) every config peaks at one level at
+    # every step and rank, and the planner plans what FSDP2 holds (planner.py: fsdp_root_reduce), no race level:
+    # --filter fsdp2 on both grids (64 configs, 128 rank samples, 2026-12-06) worst −0.97% (small-gpt2 LoRA fp32 +
+    # checkpointing s512, as under DDP), llama/qwen2 within 0.04%; --chunked --filter fsdp2 −0.79%; --qlora
+    # --filter fsdp2 and --mesh (dp2tp2) within 0.04%; the held-out matrix's FSDP2 configs within +0.37%.
+    "fsdp2": Measured(0.0097, "bench/memory_accuracy.py --filter fsdp2, llama/qwen2 and gpt2/gemma grids (128 rank "
+                              "samples, every step at one level): worst −0.97%, small-gpt2 LoRA fp32 + checkpointing "
+                              "s512"),
+    # FSDP2 with CPU offload (resharding after forward): the held-out matrix's two configs and the six checks, four
+    # with accumulation 2-4 (bench/holdout_accuracy.py --filter fsdp2 and --checks --filter fsdp2 --fsdp-steps 8,
+    # 2026-12-06): every rank within +0.01%, none under. (Accumulation once read 0 to 4 extra reduce-scatter
+    # buffers from step to step: gloo's unrecorded frees, gone with the pause.)
+    "fsdp2_offload": Measured(0.0, "bench/holdout_accuracy.py --filter fsdp2 and --checks --filter fsdp2 "
+                                   "--fsdp-steps 8: 2 held-out configs and 6 checks, none under (worst +0.01%)"),
     # ZeRO: the gpt2/gemma grid's worst were Gemma full bf16 (−2.57% / −2.49% / −2.42%), within 0.03% since Gemma's
     # RMSNorm keeps its normalised input in fp32 (planner.py: normalized; re-measured); what is left is LoRA fp32 +
     # checkpointing at s512 (small-gpt2 under ZeRO-2, small-qwen2 under ZeRO-3).

@@ -430,49 +430,25 @@ def padding_mask_bytes(shape: ModelShape, b: int, s: int, a: int) -> int:
     return b * s * s * a + 2 * T * (shape.q_dim - shape.kv_dim) * a
 
 
-def fsdp_gloo_instants(shape: ModelShape, units: tuple[int, int], cands: dict, act: Activations, T: int, N: int,
-                       full: bool, rg, chunked_loss: bool = False) -> dict[str, tuple[int, int, int]]:
-    """FSDP2 over gloo (CPU workers): the instants where buffers of collectives still in flight meet the step's
-    own tensors, at their upper level. FSDP2 drops its reference to a collective's buffers once it has
-    "waited" on the collective's event (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), a
-    no-op on CPU, so each buffer lives until gloo's worker thread has finished that collective; whether it
-    has by the time the main thread peaks is a race (measured: the same config peaks at one of a few levels
-    from step to step). The planner predicts the highest level of each race:
+def fsdp_root_reduce(shape: ModelShape, reduce_bytes: int, unit_bytes: int, on_gpu: bool) -> int:
+    """FSDP2, a full fine-tune on more than one rank: the temporaries of the root unit's (embeddings, final
+    norm, lm_head) reduce-scatter, the last of backward, beside every gradient shard.
 
-    - ``root_pre_backward``: the root unit (embeddings, final norm, lm_head) is gathered for lm_head's
-      backward once one of the loss's two vocabulary-sized gradients is freed, and its pre-backward hook
-      prefetches the last block, whose all-gather output gloo still holds beside the unsharded block;
-    - ``lm_head_backward`` (lm_head trains): lm_head's matmul backward with the root gathered, the
-      prefetched block, lm_head's unsharded weight gradient and the gradient of its input;
-    - ``root_reduce`` (a full fine-tune): the root's post-backward at the end of backward — the reduce-scatter
-      input its gradients are copied into (reduce dtype; _fsdp_collectives.py: foreach_reduce), gloo's own
-      copy of that input (the ``aten::to`` inside ``gloo:all_reduce`` on its worker thread) and the output
-      shard, while the reduce-scatter inputs of the two blocks reduced before it are still in flight; with
-      one dtype for parameters and reduction (no MixedPrecisionPolicy cast, _fsdp_param.py:
-      to_accumulated_grad_if_needed) the root's unsharded gradients are live beside them too (measured:
-      +1 root unit in fp32, none with bf16 parameters).
-    Where a level is below the step's other instants (a tied or small root, long sequences) nothing moves.
-    With a chunked loss (``chunked_loss``) lm_head runs inside the loss, chunk by chunk, and the root's
-    re-gather and gloo's copy of it are the loss's own terms (``loss_gathered`` in :func:`plan`): only
-    ``root_reduce`` is added here.
-    Measured with bench/memory_accuracy.py (FSDP2 slice) and per-step profiler traces of small-llama s128."""
-    layer_unsharded, root_unsharded = units
-    g_b, a_b, tmp_b = cands["backward"]
-    g_all = cands["backward_end"][0]
-    one_loss_grad = act.loss_grad_bytes // 2
-    unit_b, reduce_b = dtype_bytes(rg.compute_dtype), dtype_bytes(rg.grad_dtype)
-    root_numel = root_unsharded // unit_b
-    out = {}
-    if not chunked_loss:
-        out["root_pre_backward"] = (g_b, a_b, tmp_b - one_loss_grad + root_unsharded + 2 * layer_unsharded)
-    if full and not chunked_loss:
-        out["lm_head_backward"] = (g_b, a_b, tmp_b - one_loss_grad + root_unsharded + layer_unsharded
-                                   + shape.vocab * shape.hidden * unit_b + T * shape.hidden * 4)
-    if full:
-        grads_left = root_numel * unit_b if unit_b == reduce_b else 0
-        out["root_reduce"] = (g_all, 0, grads_left + 2 * root_numel * reduce_b + root_numel // N * reduce_b
-                              + 2 * shape.layer_params() * reduce_b)
-    return out
+    - the reduce-scatter input the root's gradients are copied into, in the reduce dtype (``reduce_bytes``;
+      torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: foreach_reduce, ``reduce_scatter_input``);
+    - the root's last gradient: foreach_reduce's loop over ``zip(fsdp_params, unsharded_grads)`` leaves its
+      variable ``unsharded_grad`` bound to the group's last gradient, so ``unsharded_grads.clear()`` frees every
+      other one and that one lives until foreach_reduce returns — lm_head's weight (vocab × hidden) when the
+      head is untied, else the final norm's last parameter — in the gathered unit's dtype (``unit_bytes``: memfit
+      reduces every micro-batch, so the gradient is the unsharded parameter's own, never the accumulated one);
+    - on gloo (CPU workers), the copy of the input ProcessGroupGloo reduces in (``aten::clone`` inside
+      ``c10d::_reduce_scatter_base_``), freed when the collective has finished.
+    The root's output shard is its gradient shard, already among the gradients. Found with bench/peak_tensors.py
+    (small-llama s128 + checkpointing, fp32: these three, nothing else; bf16: the same with a bf16 lm_head gradient).
+    """
+    root = shape.parameter_count() - shape.num_layers * shape.layer_params()
+    last = shape.lm_head_params() or shape.norm_params() // (2 if shape.norm == "layernorm" else 1)
+    return root * (1 if on_gpu else 2) * reduce_bytes + last * unit_bytes
 
 
 # --- pipeline stages -----------------------------------------------------------------------------
@@ -689,8 +665,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     master = 0
     gathered = 0  # params materialised at the loss (forward's end, backward's start) beyond the shards
     gathered_layer = 0  # params materialised while one block runs (its forward, recompute or backward)
-    rs_in_flight = 0  # FSDP2 over gloo with accumulation: reduce-scatter inputs a micro-batch's loss may meet
-    gloo_units: tuple[int, int] | None = None  # FSDP2 over gloo: (block, root) unsharded bytes, see fsdp_gloo_instants
+    root_reduce = 0  # FSDP2, full fine-tune: the root's reduce-scatter temporaries (fsdp_root_reduce)
     loss_gathered = 0  # params gathered while the loss runs (forward) and is differentiated, beyond ``gathered``
     comm = 0  # communication buckets
     opt_temp_unit = max(_largest_trainable(spec, shape, targets), 1) * 4
@@ -741,16 +716,12 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             gathered_layer = 2 * layer_unsharded  # the running block and the prefetched next one
             if t.loss_chunk_tokens:  # a chunked loss runs inside the root's forward, and it is the root's
                 loss_gathered = root  # output, whose pre-backward hook re-gathers the root before the chunks' backward
-                if not on_gpu:  # gloo's thread holds a root-sized copy while it gathers/reduces the root, which then
-                    loss_gathered += root  # overlaps the chunks' backward on one rank (measured: alternating ranks)
         else:
             gathered = shape.num_layers * layer_unsharded + root
             gathered_layer = gathered
         comm = (shape.layer_params() * grad_bytes) if full else 0  # one unit's reduce-scatter input
-        if not on_gpu and t.fsdp.reshard_after_forward and not t.fsdp.cpu_offload:
-            gloo_units = (layer_unsharded, root)
-        if not on_gpu and full and accum > 1 and strategy == "fsdp":  # see backward_rs_in_flight below
-            rs_in_flight = accum * (root // unit_bytes + shape.layer_params()) * grad_bytes
+        if full and N > 1:
+            root_reduce = fsdp_root_reduce(shape, grad_bytes, unit_bytes, on_gpu)
         if t.fsdp.cpu_offload:
             host.parameters, dev.parameters = dev.parameters, 0
             host.gradients, dev.gradients = dev.gradients, 0
@@ -886,19 +857,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                                            gathered_layer + act.layer_backward_temp_bytes)
         cands["backward_end"] = (g_all, 0, gathered_layer + comm + opt_temp_unit // 4)
         cands["optimizer"] = (g_all, 0, 0 if (offloaded_step and on_gpu) else step_temp)
-        if rs_in_flight:
-            # FSDP2 over gloo with accumulation: FSDP2 releases its references to a backward's last reduce-scatter
-            # inputs in its final backward callback (_fsdp_state.py: _root_post_backward_final_callback; the waits
-            # on their events are no-ops on CPU), and gloo's worker threads hold them (and gloo's copies of them)
-            # until those collectives finish, which can be after a later micro-batch has reached its loss.
-            # Measured per step over 12 steps: 0 to 2 root-sized and 0 to 2 block-sized buffers at accumulation
-            # 2, up to 3 root + 2 block at 3, 4 root + 3 block at 4 (bench/holdout_matrix.py: the acc checks);
-            # the upper level planned is one root and one block per micro-batch of the step.
-            g_b, a_b, tmp_b = cands["backward"]
-            cands["backward_rs_in_flight"] = (g_b, a_b, tmp_b + rs_in_flight)
-        if gloo_units is not None:
-            cands.update(fsdp_gloo_instants(shape, gloo_units, cands, act, b * s, N, full, rg,
-                                            chunked_loss=bool(t.loss_chunk_tokens)))
+        if root_reduce:  # FSDP2's last reduce-scatter, the root's: every gradient shard exists by then
+            cands["root_reduce"] = (g_all, 0, root_reduce)
         phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
         if view is not None:
             blocks = " and ".join(f"{r.start}–{r.stop - 1}" for r in (view.local_blocks or [view.blocks]))
