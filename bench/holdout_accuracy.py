@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drawn", type=int, default=0,
                     help="instead of the matrix: this many configs drawn by bench/holdout_matrix.py: drawn (with --seed)")
     ap.add_argument("--seed", type=int, default=0, help="with --drawn: the draw's seed")
+    ap.add_argument("--with-fsdp2", action="store_true",
+                    help="with --drawn: draw FSDP2 at 2 workers too (bench/holdout_matrix.py: WITH_FSDP2)")
     ap.add_argument("--save", help="write the measurements (JSON) here")
     ap.add_argument("--load", help="comma-separated saved files: report them with the current planner")
     ap.add_argument("--fsdp-steps", type=int, default=FSDP_STEPS,
@@ -268,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [w for w in a.filter.split(",") if w]
     skipped = [w for w in a.skip.split(",") if w]
     if a.drawn:
-        CHECKS.extend(drawn(a.drawn, a.seed))  # where _trained_rows and predict look cases up by name
+        from bench.holdout_matrix import STRATEGIES, WITH_FSDP2
+
+        # where _trained_rows and predict look cases up by name
+        CHECKS.extend(drawn(a.drawn, a.seed, WITH_FSDP2 if a.with_fsdp2 else STRATEGIES))
     pool = CHECKS[-a.drawn:] if a.drawn else (CHECKS if a.checks else HOLDOUT)
     cases = [c for c in pool if all(w in c.name for w in wanted) and not any(w in c.name for w in skipped)]
     results = []

@@ -187,14 +187,17 @@ CHECKS: list[HoldoutCase] = [
 FAMILIES = ("small-llama", "small-qwen2", "small-qwen3", "small-gemma", "small-gpt2")
 METHODS = ("none", "lora", "ia3", "loha", "lokr", "prefix_tuning", "prompt_tuning")
 STRATEGIES = ("ddp", "ddp", "ddp", "zero2", "zero3")  # DDP weighted: its peak is the same at every step
+WITH_FSDP2 = ("ddp", "ddp", "zero2", "zero3", "fsdp2", "fsdp2")
 
 
-def drawn(n: int, seed: int) -> list[HoldoutCase]:
+def drawn(n: int, seed: int, strategies: tuple[str, ...] = STRATEGIES) -> list[HoldoutCase]:
     """``n`` configs drawn with ``seed`` from the product of families, PEFT methods, precisions, checkpointing,
     sequence lengths, micro-batch sizes, accumulation, 1–2 workers and the data kinds, for a check on configs
     nobody chose (``bench/holdout_accuracy.py --drawn N --seed S``). The draw is made before anything is
-    measured and is the same for the same (n, seed). Combinations the service refuses (GPT-2 with LoHa/LoKr,
-    say) are drawn again. FSDP2 is left out: over gloo its peak varies from step to step (see CHECKS)."""
+    measured and is the same for the same (n, seed, strategies). Combinations the service refuses (GPT-2 with
+    LoHa/LoKr, say) are drawn again. ``strategies``: DDP and ZeRO by default (the first draws were made so);
+    ``WITH_FSDP2`` adds FSDP2 at 2 workers, whose traces hold one level at every step since they pause after its
+    collective waits (workers/telemetry.py: _CollectiveWaits)."""
     import random
 
     from service.domain.training import PEFT_UNSUPPORTED
@@ -208,7 +211,7 @@ def drawn(n: int, seed: int) -> list[HoldoutCase]:
             continue
         precision, ckpt = rng.choice(("fp32", "bf16")), rng.random() < 0.4
         seq, mb = rng.choice((128, 256, 384, 768, 1024)), rng.choice((1, 2, 3, 4))
-        acc, workers, strategy = rng.choice((1, 1, 2, 3)), rng.choice((1, 2)), rng.choice(STRATEGIES)
+        acc, workers, strategy = rng.choice((1, 1, 2, 3)), rng.choice((1, 2)), rng.choice(strategies)
         data = rng.choice(("long", "long", "chat", "varied"))
         extra: dict = {}
         if method != "none":
@@ -216,9 +219,11 @@ def drawn(n: int, seed: int) -> list[HoldoutCase]:
         if strategy.startswith("zero"):
             workers, extra["deepspeed"] = 2, {"zero_stage": int(strategy[-1])}
             strategy = "deepspeed"
+        if strategy == "fsdp2":
+            workers, strategy = 2, "fsdp"
+        label = {"ddp": "ddp", "fsdp": "fsdp2"}.get(strategy) or f"zero{extra.get('deepspeed', {}).get('zero_stage')}"
         name = (f"drawn{seed} {fam.split('-')[1]} s{seq} {method} {precision}{' ckpt' if ckpt else ''} "
-                f"{strategy if strategy == 'ddp' else 'zero' + str(extra['deepspeed']['zero_stage'])}×{workers} "
-                f"mb{mb} acc{acc} {data}")
+                f"{label}×{workers} mb{mb} acc{acc} {data}")
         if name in names:
             continue
         names.add(name)

@@ -252,6 +252,10 @@ def run_rank(rank: int, case: Case, port: int, model_dir: str, out: dict) -> lis
     tel = W.make_telemetry(args, W.WorkerEnv(rank, case.world, device), tel_model, optimizer,
                            _STRATEGY.get(case.strategy, "deepspeed"),
                            {k: (v if isinstance(v, bool) else v == "cpu") for k, v in offload.items()})
+    if pp is not None:  # the worker's loop does the same (workers/strategies/pipeline.py: train_pipeline)
+        from workers.strategies.pipeline import recv_buffers
+
+        tel.held_buffers = lambda: recv_buffers(pp)
     scheduler = None if engine is not None else W.warmup_cosine(optimizer, 0, case.steps)
     (engine or model).train()  # the worker's loop does this; HF checkpointing is off in eval mode
     records: list[dict] = []

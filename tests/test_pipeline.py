@@ -148,7 +148,8 @@ def test_gpipe_keeps_every_chunk_and_1f1b_at_most_the_stages():
 def test_the_first_stage_plans_its_embedding_backward_beside_the_accumulated_gradient():
     """Rank 0's embedding backward after its first chunk (measured on gloo: the peak of its backward):
     every gradient, the dense vocab × hidden gradient aten::embedding_dense_backward makes beside the
-    .grad it is added into, the gradient it reads, and the one other chunk 1F1B still holds."""
+    .grad it is added into, the gradient it reads, the one other chunk 1F1B still holds, chunk 0's output that
+    Schedule1F1B's ``send_work`` still holds, and the stage's receive buffers (a gradient per chunk)."""
     from service.domain.model_ref import resolve_model
     from service.memory.shape import shape_for_model
 
@@ -158,8 +159,9 @@ def test_the_first_stage_plans_its_embedding_backward_beside_the_accumulated_gra
     rows, seq = 4 // 4, 256  # micro-batch 4 in 4 chunks (the default), seq 256
     held = dev.parameters + dev.gradients + dev.optimizer_states
     other_chunk = first.activations_saved_bytes // 2  # 1F1B's stage 0 holds 2 chunks at its peak, 1 then
+    chunk_io = rows * seq * shape.hidden * 4
     assert first.phases["backward_embedding"] - held == (
-        other_chunk + shape.vocab * shape.hidden * 4 + rows * seq * shape.hidden * 4)
+        other_chunk + shape.vocab * shape.hidden * 4 + chunk_io + chunk_io + 4 * chunk_io)
     # no embedding trained (LoRA), no embedding (stage 1), or no earlier chunk's gradient: no such instant
     lora = {**PP, "peft": {"method": "lora"}}
     one = {**PP, "pipeline": {"stages": 2, "microbatches": 1}}
@@ -181,6 +183,39 @@ def test_an_interleaved_rank_keeps_what_each_finished_chunk_sent_until_the_step_
     order = [(1, 0), (1, 1), (1, 0), (0, 0)]  # F stage 0, F stage 1, B stage 1, B stage 0
     view = _rank_view(0, [stage(0, 10, 1), stage(1, 100, 1000)], order, False)
     assert view.saved_bytes == 10 + 1000  # not 10 + 100: stage 1's chunk is done but its sends are live
+
+
+def test_1f1b_stages_plan_their_receive_buffers_and_the_sends_the_schedule_still_holds():
+    """torch.distributed.pipelining keeps a receive buffer per chunk for each activation a stage after the first
+    receives and each gradient a stage before the last receives; Schedule1F1B's ``send_work`` keeps chunk W−2's
+    output (W warm-up forwards) and ``bwd_sends`` the last input gradient it sent, at every backward after the
+    first. Stage 0's backward starts in its last block's MLP from the received gradient (a receive buffer): the
+    product's backward, three T × intermediate gradients; stage 1's from the loss's two vocabulary-sized ones."""
+    from service.domain.model_ref import resolve_model
+    from service.domain.spec import JobSpec
+    from service.memory.planner import _lora_targets, pipeline_stages, regime, trainable_parameters
+    from service.memory.shape import shape_for_model
+
+    shape = shape_for_model(resolve_model("preset:small-llama", ()))
+    T, h = 1 * 256, shape.hidden  # micro-batch 4 in 4 chunks at seq 256
+
+    def views(chunks: int):
+        spec = JobSpec.model_validate({"model": "preset:small-llama", "training_file": "file-x", "training": {
+            **PP, "pipeline": {"stages": 2, "microbatches": chunks},
+            "hyperparameters": {"micro_batch_size": chunks, "max_seq_length": 256}}})
+        return pipeline_stages(spec, shape, regime("pipeline", "none", "fp32"), _lora_targets(spec, shape),
+                               trainable_parameters(spec, shape), chunks, 256)
+
+    chunk_io = T * h * 4  # fp32 residual stream
+    mlp_backward = 3 * T * shape.intermediate * 4
+    loss = 2 * T * shape.vocab * 4
+    first, last = views(4)
+    assert (first.recv_buffers, last.recv_buffers) == (4 * chunk_io, 4 * chunk_io)
+    assert first.act.loss_grad_bytes == mlp_backward + chunk_io  # + chunk 0's output in send_work
+    assert last.act.loss_grad_bytes == loss + chunk_io  # + the last input gradient in bwd_sends
+    first, last = views(1)  # one chunk: no backward after the first, nothing held
+    assert (first.recv_buffers, last.recv_buffers) == (chunk_io, chunk_io)
+    assert (first.act.loss_grad_bytes, last.act.loss_grad_bytes) == (mlp_backward, loss)
 
 
 def test_a_pipeline_longer_than_the_model_is_refused_by_field():

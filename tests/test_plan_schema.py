@@ -30,6 +30,9 @@ CASES = json.loads((Path(__file__).parent / "data" / "plans_before_typed_plan.js
 # tests/test_host_memory.py): the fsdp_offload suggestion's host_total_bytes of fsdp_2_workers_l4 now
 # counts the pinned shards' power-of-two rounding. fsdp_2_workers_l4's plan was updated with FSDP2's root
 # reduce-scatter instant (service/memory/planner.py: fsdp_root_reduce), now its peak: only that case changed.
+# Then deepspeed_zero2_4_workers's phases (a checkpointed block's recomputation: a gated MLP's backward holds
+# three T × intermediate gradients; the recomputation's own forward, a phase of its own) and the second
+# suggestion of fsdp_2_workers_l4 (LoRA with checkpointing: the first block's input needs a gradient), neither peak.
 
 
 @pytest.fixture(scope="module")

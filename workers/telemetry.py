@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -228,6 +228,10 @@ class StepTelemetry:
         self.strategy = strategy
         self.plan: dict | None = None  # the planner's prediction, if the caller knows it
         self.suggestions: list[dict] | None = None
+        # Tensors a strategy keeps across steps outside the model and the optimizer (a pipeline's receive
+        # buffers, workers/strategies/pipeline.py: recv_buffers), counted with the model's buffers: on a CPU
+        # worker the trace sees only what a step allocates, so memory held from an earlier step must be counted.
+        self.held_buffers: Callable[[], Iterable[torch.Tensor]] | None = None
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self._step: int | None = None
         self._sampled = False
@@ -358,6 +362,9 @@ class StepTelemetry:
         o_dev, o_host = c.add(_optimizer_tensors(self.optimizer, model_ids))
         g_dev, g_host = c.add(_gradient_tensors(self.model, self.optimizer))
         b_dev, b_host = c.add(_buffer_tensors(self.model))
+        if self.held_buffers is not None:
+            h_dev, h_host = c.add(self.held_buffers())
+            b_dev, b_host = b_dev + h_dev, b_host + h_host
         out = {
             "parameters_bytes": p_dev,
             "gradients_bytes": g_dev,

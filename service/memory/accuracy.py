@@ -66,14 +66,15 @@ MARGINS: dict[str, Measured] = {
                               "checkpointing, s512); held-out −0.43%"),
     "zero3_offload": Measured(0.0081, "bench/memory_accuracy.py zero3_offload (optimizer and parameters), both grids: "
                                       "worst −0.81% (small-qwen2 LoRA fp32 + checkpointing, s512)"),
-    # pp2 was measured on its own; the README gives its max |error| (1.66%), taken whole as the margin.
-    "pp2": Measured(0.0166, "bench/memory_accuracy.py --filter pp2 (32 configs): max |error| 1.66%"),
-    # Interleaved 1F1B, 2 ranks × 2 model stages each: the seq-128 half of its grid (16 configs), with the
-    # first stage's embedding backward and the schedule's kept sends planned: worst −0.02%, max |error|
-    # +3.05%; the s512 half (--filter s512,pp2i, 16 configs): none under, max +4.26% (rank 0, over). Its
-    # own worst under-prediction is −0.02%; 1F1B's larger margin stands for both pipeline schedules.
-    "pp2i": Measured(0.0166, "bench/memory_accuracy.py --filter s128,pp2 and --filter s512,pp2i (pp2i rows, "
-                             "32 configs): worst −0.02%, max |error| 4.26% (over); pp2's 1.66% kept"),
+    # Pipelines, re-measured 2026-12-06 with the stages' receive buffers counted by the telemetry (CPU traces
+    # cannot see them) and planned with them, Schedule1F1B's held sends, the forward's MLP-projection instant and the
+    # recomputation's (planner.py: pipeline_stages): bench/memory_accuracy.py --filter pp2 (llama/qwen2, 64 configs,
+    # 128 rank samples) worst −0.2%, max +1.85%; --families small-gpt2 --filter pp2 (32 configs) worst −0.6%
+    # (LoRA bf16, rank 0), max +1.1%; the held-out GPipe config +0.03%.
+    "pp2": Measured(0.006, "bench/memory_accuracy.py --filter pp2 (pp2 rows), small-llama/small-qwen2 and small-gpt2 "
+                           "(48 configs, 96 rank samples, 2026-12-06): worst −0.6% (small-gpt2 LoRA bf16, rank 0)"),
+    "pp2i": Measured(0.006, "bench/memory_accuracy.py --filter pp2 (pp2i rows), small-llama/small-qwen2 and small-gpt2 "
+                            "(48 configs, 96 rank samples, 2026-12-06): worst −0.6% (small-gpt2 LoRA bf16, rank 0)"),
     # tp2 (strategy tensor, size 2, one replica): bench/memory_accuracy.py --filter tp2 (32 configs, both
     # families), worst −1.10% (small-llama s512 fp32, rank 1 only: 4 MiB more than rank 0 in every phase).
     # small-gpt2 (its Conv1D blocks split by the worker's own styles): --families small-gpt2 --filter tp2,
@@ -82,7 +83,7 @@ MARGINS: dict[str, Measured] = {
     # --families small-llama,small-qwen2,small-gpt2, 24 configs, 48 rank samples, worst −1.23%, median
     # |error| 0.58%; the s512 half (--filter tp2,s512, same families, 24 configs): worst −2.73% (small-llama
     # LoRA fp32 + checkpointing, rank 0). Those missing bytes were found (2026-12-05, the profiler's live
-    # allocations at the peak) and are planned now (service/memory/planner.py: split_embedding_leaf, lora_autocast,
+    # allocations at the peak) and are planned now (service/memory/planner.py: embedding_leaf, lora_autocast,
     # the frozen first block's weight casts). What was left, one or two fp32 tokens × hidden at some steps and ranks
     # (−2.38% at worst over 144 rank samples), was gloo's worker thread freeing an all-reduce output where the
     # profiler records no free (workers/telemetry.py: _CollectiveWaits). With traces that pause after each wait,

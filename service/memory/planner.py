@@ -108,6 +108,8 @@ class Activations:
     loss_grad_bytes: int  # two vocabulary-sized fp32 gradients at the start of backward
     ckpt_layer_bytes: int  # what a checkpointed block keeps: its input
     layer_backward_temp_bytes: int  # gradients in flight inside one block's backward
+    recompute_bytes: int = 0  # the most a checkpointed block's recomputation saves beyond its kept input
+    forward_block_bytes: int = 0  # a block's forward at its fullest: the MLP's output projection (beyond its saves)
 
     def saved(self, checkpointing: bool) -> int:
         layers = len(self.layer_bytes) * self.ckpt_layer_bytes if checkpointing else sum(self.layer_bytes)
@@ -150,7 +152,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 qat: tuple[int, bool] | None = None, ia3_feedforward: frozenset[str] | None = None,
                 prefix_tokens: int = 0, nf4_base: bool = False, on_gpu: bool = True,
                 lycoris: bool = False, lokr: bool = False, loss_parallel: bool = False,
-                split_embedding_leaf: bool = False) -> Activations:
+                embedding_leaf: bool = False) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -173,16 +175,18 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     ``loss_parallel``: the logits are a DTensor sharded on the vocabulary (strategy tensor, ``vocab_parallel``)
     and cross-entropy runs under torch's loss_parallel (torch/distributed/tensor/parallel/loss.py), which
     builds the log-softmax and its backward from their parts instead of aten's fused kernels: see the loss terms.
-    ``split_embedding_leaf``: strategy tensor with the vocabulary split, a frozen embedding (PEFT) and gradient
-    checkpointing. transformers' ``activation_checkpointing_enable`` (modeling_utils.py) calls
-    ``enable_input_require_grads``, a forward hook on the input embedding that sets ``requires_grad_(True)`` on
-    its output. That hook was registered before ``parallelize_module`` added RowwiseParallel's output hook
-    (workers/strategies/common.py enables checkpointing when it builds the model), so it marks the embedding's
-    vocabulary-partial lookup (a DTensor, before its all-reduce) — a leaf, whose AccumulateGrad node in the
-    autograd graph holds it until backward ends — while the blocks read the all-reduced copy. One more tokens ×
-    hidden in the residual dtype, live all step (measured: ``index_select < aten::embedding`` live at the peak).
-    Without the split the hook marks the one output the first block reads, and a trained embedding's output is
-    not a leaf.
+    ``embedding_leaf``: a frozen embedding (PEFT) with gradient checkpointing, where the first block reads another
+    tensor than the lookup's output. transformers' ``activation_checkpointing_enable`` (modeling_utils.py) calls
+    ``enable_input_require_grads``, a forward hook on the input embedding that sets ``requires_grad_(True)`` on its
+    output: a leaf, whose AccumulateGrad node in the autograd graph holds it until backward ends. Where the first
+    block reads that output itself (Llama, Qwen, Gemma's scaled embedding module) the checkpoint keeps it anyway;
+    GPT-2's blocks read the lookup plus the position embeddings (measured: the −0.92% of GPT-2 LoRA fp32 +
+    checkpointing at s512 under DDP, one tokens × hidden, and ``index_select < aten::embedding`` live at a GPT-2
+    pipeline stage's peak), and under strategy tensor with the vocabulary split the hook, registered before
+    ``parallelize_module`` added RowwiseParallel's output hook (workers/strategies/common.py enables checkpointing when
+    it builds the model), marks the vocabulary-partial lookup (a DTensor, before its all-reduce) while the blocks read
+    the all-reduced copy. One more tokens × hidden in the residual dtype, live all step. (Prompt tuning, whose virtual
+    tokens are joined to the lookup, is not modelled here: not measured.)
     ``lycoris``: LoHa or LoKr. peft builds each target's whole delta weight (loha/layer.py: HadaWeight keeps
     only its factors; lokr: torch.kron) and runs ``F.linear(x, delta_weight)`` (``_get_delta_activations``),
     which keeps the out × in delta weight (its compute-dtype copy under autocast) beside the input; there is
@@ -261,6 +265,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     # as under lora16 (measured under strategy tensor: `_to_copy < linear` of o_proj's input live at the peak)
     lora_autocast = regime.name == "autocast" and not (nf4_base or lycoris) and ia3_feedforward is None
     layer: list[int] = []
+    recompute: list[int] = []
     small = T * 4  # per-token fp32 statistics (rsqrt, or mean + rstd for LayerNorm)
     for idx in range(shape.num_layers):
         # LoRA: the frozen embedding's output needs no gradient, except under ZeRO-3, whose module hooks
@@ -347,6 +352,28 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                     n -= T * i * a if trainable("down_proj") else 0
                 n += sum(qat_linear_bytes(T, din, dout, *qat) for din, dout in shape.linear_shapes().values())
         layer.append(n)
+        # Recomputed under checkpointing, a block that keeps its input for its first norm keeps the checkpointed
+        # input itself (LayerNorm's input; RMSNorm's fp32 view when the stream is fp32, .to(float32) returning it):
+        # no new tensor beyond the one the checkpoint holds
+        kept_input = in_grad and (shape.family == "gpt2" or res == 4)
+        recompute.append(n - (T * h * res if kept_input else 0))
+    # A block's forward at its fullest, its MLP's output projection (what a pipeline stage that ends in no loss
+    # peaks at, in the newest chunk's last block): transformers' blocks hold the second norm's output in
+    # ``hidden_states`` across ``self.mlp`` (GPT2Block, LlamaDecoderLayer; GPT2Block its ``attn_output`` too) and
+    # the MLPs their product across the projection, though nothing keeps either where the MLP's linears save no
+    # copy of them; beside the projection's output. A LoRA adapter on the projection adds lora_B's output and its scaled copy and, where a 16-bit input meets
+    # the fp32 adapter, peft's fp32 copy of the product (tuners_utils.py: _cast_input_dtype) until autocast has cast it
+    # back (measured: bench/peak_tensors.py, small-gpt2 pipeline LoRA bf16, every one of these live at rank 0's peak).
+    gpt2 = shape.family == "gpt2"
+    in_names, out_name = (["c_fc"], "c_proj") if gpt2 else (["gate_proj", "up_proj"], "down_proj")
+    norm_bytes = res if gpt2 else (4 if regime.name != "pure16" else 2)
+    norm_kept = not regime.casts and any(trainable(n) for n in in_names) and ia3_feedforward is None
+    product_kept = (trainable(out_name) and not adapted(out_name)) or (adapted(out_name) and not regime.casts)
+    forward_block = (0 if norm_kept else T * h * norm_bytes) + (0 if product_kept else T * i * a) + T * h * a
+    if gpt2:  # GPT2Block keeps ``attn_output`` (the attention's projection) in a local until it returns
+        forward_block += T * h * a
+    if adapted(out_name) and not lycoris and ia3_feedforward is None:
+        forward_block += 2 * T * h * a + (T * i * 4 if regime.casts and a == 2 else 0)
     # final norm (+ lm_head input when lm_head trains), embedding indices, rotary cos/sin
     final = T * h * 4 + small if shape.family != "gpt2" else T * h * res + 2 * small
     if full:
@@ -361,7 +388,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     if regime.casts and regime.name != "lora16":
         final += 2 * shape.vocab * h  # lm_head weight's bf16 copy
     final += T * 8  # embedding indices
-    if split_embedding_leaf:
+    if embedding_leaf:
         final += T * h * res  # the embedding's partial lookup, kept by its AccumulateGrad (see the docstring)
     if shape.family != "gpt2":
         final += 2 * s * shape.head_dim * regime.residual  # cast to the hidden states' dtype
@@ -398,10 +425,15 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
         # weight gradient in the compute dtype before it is added to .grad (measured, fp32/autocast/LoRA)
         loss_grad = 3 * c * V * 4 + T * h * res + (V * h * a if full else 0)
     ckpt_layer = T * h * res
-    bwd_temp = 2 * T * i * a + 2 * T * h * 4
+    # One block's backward at its fullest. A gated MLP (SwiGLU, GeGLU) peaks in the product's backward: down_proj's
+    # input gradient and MulBackward0's two outputs, the gradients of act(gate) and of up, all T × intermediate in the
+    # activations' dtype (measured: bench/peak_tensors.py, pipeline stages), beside the block's incoming fp32 residual
+    # gradient. GPT-2's MLP: two T × intermediate gradients in flight and two fp32 T × hidden.
+    bwd_temp = 3 * T * i * a + T * h * 4 if shape.mlp in ("swiglu", "geglu") else 2 * T * i * a + 2 * T * h * 4
     if nf4_base:  # MatMul4Bit.backward dequantises its weight to the compute dtype (quantised from it)
         bwd_temp += largest_quantised(shape) * a
-    return Activations(layer, final, loss_saved, logits, loss_copy, loss_grad, ckpt_layer, bwd_temp)
+    return Activations(layer, final, loss_saved, logits, loss_copy, loss_grad, ckpt_layer, bwd_temp, max(recompute),
+                       forward_block)
 
 
 def qat_linear_bytes(T: int, din: int, dout: int, group: int, act: bool) -> int:
@@ -471,6 +503,25 @@ class StageView:
     embedding_grad: int = 0  # first stage, embedding trained: a later chunk's embedding backward's temporaries
     embedding_saved: int = 0  # the other chunks' activations live at that backward
     sent: int = 0  # a chunk's output sent on and input gradient sent back (interleaved_1f1b keeps both: _rank_view)
+    recv_buffers: int = 0  # the stage's receive buffers, one per chunk and direction, held all step (pipeline_stages)
+    forward_block: int = 0  # a non-last stage's steady forward at its last block's MLP projection, beyond its chunks
+    held_sends: int = 0  # what Schedule1F1B's send variables hold at a steady forward or backward (pipeline_stages)
+
+
+def checkpointed_peft(spec: JobSpec) -> bool:
+    """A frozen embedding under gradient checkpointing: transformers' ``enable_input_require_grads`` hook makes the
+    lookup's output require a gradient (see :func:`activations`, ``embedding_leaf``), so the first block's input needs
+    one as every later block's does, and its recomputation keeps what theirs keep (measured: a one-block pipeline
+    stage's recomputation, GPT-2 LoRA bf16, with c_attn's frozen weight cast kept)."""
+    return spec.training.gradient_checkpointing and spec.training.peft.method != PeftMethod.none
+
+
+def embedding_leaf(spec: JobSpec, shape: ModelShape, vocab_split: bool = False) -> bool:
+    """Whether the embedding's output is kept as a leaf all step (see :func:`activations`, ``embedding_leaf``)."""
+    t = spec.training
+    peft = t.peft.method
+    return (t.gradient_checkpointing and peft != PeftMethod.none and peft != PeftMethod.prompt_tuning
+            and (vocab_split or shape.family == "gpt2"))
 
 
 def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | None, Pt: int, b: int,
@@ -500,35 +551,67 @@ def pipeline_stages(spec: JobSpec, shape: ModelShape, rg, targets: set[str] | No
         trained = held if full else n * adapter_per_block
         frozen = 0 if full else held
         act = activations(replace(shape, num_layers=n), rows, s, sizes, targets, t.peft.r, t.attention,
-                          input_grad=not first, **method_terms(spec, shape))
+                          input_grad=not first or checkpointed_peft(spec),
+                          embedding_leaf=first and last and embedding_leaf(spec, shape),
+                          **method_terms(spec, shape))
         # torch.distributed.pipelining's stage keeps each chunk's output until that chunk's backward
         # (stage.py: fwd_cache, which backward_one_chunk runs autograd from): the residual stream sent on,
         # or on the last stage the logits, which the plain loop frees once the loss has them.
+        # A stage after the first runs on the activation it received: the receive buffer itself (stage.py:
+        # _retrieve_recv_activations), held with the others (``recv`` below), so its first block's kept input
+        # (the norm's fp32 input, which .to(float32) leaves as it is, or the checkpointed input) is no new tensor.
+        chunk_io = rows * s * shape.hidden * sizes.residual
+        received = 0 if first else chunk_io
         if not last:  # no final norm, head or loss here: the rotary tables (and the first stage's token ids)
             rotary = 0 if shape.family == "gpt2" else 2 * s * shape.head_dim * sizes.residual
-            output = rows * s * shape.hidden * sizes.residual
-            # backward starts at the stage's last block with all its chunks' activations live: the
-            # gradient received from the next stage and the block's own gradients in flight
-            act = replace(act, final_bytes=rotary + (rows * s * 8 if first else 0) + output, loss_saved_bytes=0,
-                          logits_bytes=0, loss_copy_bytes=0,
-                          loss_grad_bytes=act.layer_backward_temp_bytes + rows * s * shape.hidden * 4)
+            # backward starts at the stage's last block with all its chunks' activations live and the block's own
+            # gradients in flight; the residual gradient it starts from is the one received from the next stage,
+            # a receive buffer (below), not a new tensor
+            first_backward = act.layer_backward_temp_bytes - rows * s * shape.hidden * 4
+            leaf = chunk_io if first and embedding_leaf(spec, shape) else 0  # see activations: embedding_leaf
+            act = replace(act, final_bytes=rotary + (rows * s * 8 if first else 0) + chunk_io - received + leaf,
+                          loss_saved_bytes=0, logits_bytes=0, loss_copy_bytes=0,
+                          loss_grad_bytes=first_backward, layer_backward_temp_bytes=first_backward)
         else:
             ids = 0 if first else rows * s * 8  # the token ids stay on stage 0
-            act = replace(act, final_bytes=act.final_bytes - ids + act.logits_bytes, logits_bytes=0)
+            act = replace(act, final_bytes=act.final_bytes - ids + act.logits_bytes - received, logits_bytes=0)
+        # torch.distributed.pipelining allocates a receive buffer per chunk for the activation a stage after the
+        # first receives and for the gradient a stage before the last receives, once, and keeps them (stage.py:
+        # _create_act_recv_info, _create_grad_recv_info): both in the residual stream's dtype
+        recv = chunks * chunk_io * ((not first) + (not last))
         largest = max(shape.layer_params(), shape.vocab * shape.hidden if (first or last) else 0) if full \
             else max(adapter_numels, default=1)
         in_flight = in_flight_microbatches(t.pipeline.schedule, stages, k, chunks)
+        # Schedule1F1B (torch/distributed/pipelining/schedules.py: _step_microbatches) keeps two sends' tensors past
+        # their chunks' backward: ``send_work`` holds the Works of the warm-up's last fired forward send (chunk W−2's
+        # output, W = in_flight warm-up forwards) until the cool-down reassigns it, and ``bwd_sends`` holds the last
+        # backward's input-gradient send until the next backward has run. At a steady backward (W chunks in flight,
+        # after chunk W−2's backward: chunks ≥ 2W − 1) the first is one chunk's output more; on a stage after the
+        # first, every backward after the first has the second, one chunk's input gradient. (ScheduleGPipe waits its
+        # sends when all forwards, then all backwards, have run: its peak, the first backward, has none beyond its
+        # chunks.)
+        held_sends = 0
+        if t.pipeline.schedule == "1f1b":
+            held_sends += chunk_io if not last and in_flight >= 2 and chunks >= 2 * in_flight - 1 else 0
+            held_sends += chunk_io if not first and chunks >= 2 else 0
+        # live at every backward instant after the first: its start and a checkpointed block's recomputation
+        act = replace(act, loss_grad_bytes=act.loss_grad_bytes + held_sends,
+                      layer_backward_temp_bytes=act.layer_backward_temp_bytes + held_sends)
         # torch's embedding backward (aten::embedding_dense_backward) builds a dense vocab × hidden gradient
         # and AccumulateGrad adds it into the weight's .grad from an earlier chunk: both live at once, with
         # every other gradient and the chunks still in flight (a 1F1B stage: all but the one going back).
         embedding_grad = shape.vocab * shape.hidden * dtype_bytes(rg.trainable_dtype) + rows * s * shape.hidden * 4 \
-            if first and full else 0  # + the gradient it reads (fp32: the first block's input gradient)
+            + held_sends if first and full else 0  # + the gradient it reads (fp32: the first block's input gradient)
+        # a non-last stage ends in no loss: its forward peaks in the newest chunk's last block, at the MLP's
+        # projection (Activations.forward_block_bytes), before that chunk's output exists, with the sends held
+        forward_block = act.forward_block_bytes - chunk_io + held_sends if not last else 0
         views.append(StageView(
             k, blocks, frozen * dtype_bytes(rg.frozen_dtype) + trained * dtype_bytes(rg.trainable_dtype),
             trained * dtype_bytes(rg.grad_dtype), trained * 2 * dtype_bytes(rg.optimizer_dtype), act,
             in_flight, largest, embedding_grad=embedding_grad,
             embedding_saved=(in_flight - 1) * act.saved(t.gradient_checkpointing),
-            sent=((not last) + (not first)) * rows * s * shape.hidden * sizes.residual))
+            sent=((not last) + (not first)) * rows * s * shape.hidden * sizes.residual, recv_buffers=recv,
+            forward_block=forward_block, held_sends=held_sends))
     if local > 1:
         return [_rank_view(r, views[r::ranks], interleaved_in_flight(ranks, local, r, chunks), t.gradient_checkpointing)
                 for r in range(ranks)]
@@ -554,11 +637,15 @@ def _rank_view(rank: int, held: list[StageView], order: list[tuple[int, ...]], c
     # the first local stage's backwards after its first (its embedding's, on rank 0): what stays in flight
     after = [i for i in range(1, len(order)) if order[i][0] < order[i - 1][0]][1:]
     embedding_saved = max((live[i] for i in after), default=0)
+    # each forward of a local stage that ends in no loss peaks inside its last block (StageView.forward_block)
+    forwards = [live[i] + held[j].forward_block for i in range(len(order)) for j in range(len(held))
+                if held[j].forward_block and order[i][j] > (order[i - 1][j] if i else 0)]
     return StageView(rank, range(held[0].blocks.start, held[-1].blocks.stop),
                      sum(v.parameters for v in held), sum(v.gradients for v in held),
                      sum(v.optimizer_states for v in held), act, max(sum(c) for c in order),
                      max(v.largest_trainable for v in held), saved, [v.blocks for v in held],
-                     held[0].embedding_grad, embedding_saved)
+                     held[0].embedding_grad, embedding_saved, recv_buffers=sum(v.recv_buffers for v in held),
+                     forward_block=max(0, max(forwards, default=0) - saved))
 
 
 # --- model states --------------------------------------------------------------------------------
@@ -796,9 +883,9 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                           zero3_linear=strategy == "deepspeed" and ds.zero_stage == 3, padded=padded,
                           loss_chunk_tokens=t.loss_chunk_tokens, nf4_base=qlora, on_gpu=on_gpu,
                           # prompt tuning's virtual tokens are trainable embeddings: the first block's input needs a gradient
-                          input_grad=t.peft.method == PeftMethod.prompt_tuning,
+                          input_grad=t.peft.method == PeftMethod.prompt_tuning or checkpointed_peft(spec),
                           loss_parallel=vocab_split,
-                          split_embedding_leaf=vocab_split and t.gradient_checkpointing and not full,
+                          embedding_leaf=embedding_leaf(spec, shape, vocab_split),
                           **method_terms(spec, shape))
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     # FSDP2's offloaded gradients exist only from each unit's reduce-scatter in backward (foreach_reduce copies the
@@ -845,6 +932,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                         gathered + loss_gathered + act.logits_bytes + act.loss_copy_bytes),
             "backward": (g_fwd, A_dev, gathered + loss_gathered + act.loss_grad_bytes),
         }
+        if view is not None and view.forward_block:
+            cands["forward_block"] = (g_fwd, A_dev, view.forward_block)
         if view is not None and view.embedding_grad and (accum > 1 or spec.resolved().pipeline_microbatches > 1):
             # the first stage's embedding backward after its first chunk's (see pipeline_stages): every
             # gradient, the chunks still in flight, the dense gradient and the one it reads
@@ -853,12 +942,22 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             cands["backward_layer"] = (g_all, max(act.layer_bytes, default=0),
                                        gathered_layer + act.layer_backward_temp_bytes)
         elif t.gradient_checkpointing:
-            cands["backward_recompute"] = (g_all, A - act.loss_saved_bytes + max(act.layer_bytes),
+            cands["backward_recompute"] = (g_all, A - act.loss_saved_bytes + act.recompute_bytes,
                                            gathered_layer + act.layer_backward_temp_bytes)
+            # the recomputation's own forward reaches the MLP's projection (Activations.forward_block_bytes) before
+            # the block's backward temporaries exist; torch's non-reentrant checkpoint stops recomputing once the
+            # last tensor backward needs is saved (the adapter's lora_A output), so lora_B's output and its scaled copy
+            # are not made again, while the gradients backward brought to the block (its output's, the adapter's
+            # scaled one) stand where they were, the same two tokens × hidden
+            cands["backward_recompute_forward"] = (g_all, A - act.loss_saved_bytes + act.recompute_bytes,
+                                                   gathered_layer + act.forward_block_bytes
+                                                   + (view.held_sends if view is not None else 0))
         cands["backward_end"] = (g_all, 0, gathered_layer + comm + opt_temp_unit // 4)
         cands["optimizer"] = (g_all, 0, 0 if (offloaded_step and on_gpu) else step_temp)
         if root_reduce:  # FSDP2's last reduce-scatter, the root's: every gradient shard exists by then
             cands["root_reduce"] = (g_all, 0, root_reduce)
+        if view is not None and view.recv_buffers:  # held at every instant, with the step's temporaries
+            cands = {k: (g, a, tmp + view.recv_buffers) for k, (g, a, tmp) in cands.items()}
         phases = {k: dev_state + shared + sum(v) for k, v in cands.items()}
         if view is not None:
             blocks = " and ".join(f"{r.start}–{r.stop - 1}" for r in (view.local_blocks or [view.blocks]))

@@ -274,6 +274,20 @@ def make_pipeline(stage: PipelineStageModule, mesh: Mesh, schedule: str, chunks:
     return Pipeline(stage, mesh, cls(pipe, chunks, loss_fn=chunk_loss, scale_grads=False), loss_scale)
 
 
+def recv_buffers(pp: Pipeline) -> list[torch.Tensor]:
+    """The receive buffers of this rank's pipeline stages: torch.distributed.pipelining allocates one per chunk
+    for each activation a stage after the first receives and each gradient a stage before the last receives
+    (stage.py: _create_act_recv_info, _create_grad_recv_info), when the schedule first runs, and keeps them.
+    A received activation is that buffer itself (``_retrieve_recv_activations`` hands it to the stage's forward),
+    so a chunk in flight keeps no copy of its input; the telemetry counts the buffers as held memory."""
+    stages = getattr(pp.schedule, "_stages", None) or [pp.schedule._stage]
+    out = []
+    for st in stages:
+        for infos in (*st.args_recv_info.values(), *st.grad_recv_info.values()):
+            out += [i.buffer for i in infos if isinstance(getattr(i, "buffer", None), torch.Tensor)]
+    return out
+
+
 def pipeline_step(pp: Pipeline, batches: list[dict], optimizer, scheduler, max_grad_norm: float | None, device,
                   tel=None, where: dict | None = None) -> tuple[float | None, float, torch.Tensor]:
     """One optimizer step over ``batches`` (this replica's micro-batches, fixed width): a schedule run
@@ -344,6 +358,7 @@ def train_pipeline(args: TrainArgs, env: WorkerEnv) -> dict:
                          trained_tokens=progress.trained_tokens, trainable_only=args.is_peft)
 
     tel = make_telemetry(args, env, stage, optimizer, "pipeline", {"optimizer": "none", "param": "none"})
+    tel.held_buffers = lambda: recv_buffers(pp)
     stage.train()
     for step in range(start + 1, s.total_steps + 1):
         batches = [_fixed_width(b, width, s.train.pad_id) for b in step_batches(s.train, s.sampler, step - 1, mesh.dp_index)]
