@@ -216,8 +216,11 @@ def report(results: list[dict]) -> int:
             rows.append(f"| {res['name']} | refused: {res['refused']} | | | | | |")
             continue
         case = next(c for c in [*HOLDOUT, *CHECKS] if c.name == res["name"])
+        # the planner predicts each model state on the rank that holds the most of it (FSDP2 shards on dim 0, ZeRO's
+        # partitions end inside tensors): each rank's states are compared with the fullest rank's
+        fullest = {c: max(measured_categories(r)[c] for r in res["ranks"]) for c in STATES}
         for r in res["ranks"]:
-            m = measured_categories(r)
+            m = {**measured_categories(r), **fullest}
             stored = predicted_categories(predict(case, r["rank"]))
             # varied/chat rows: the error is against the plan for the rows the measured step formed; the
             # service's plan (the widest micro-batch of the data) must be at least the measured peak
@@ -263,17 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     globals()["FSDP_STEPS"] = a.fsdp_steps  # spec_body reads them
     globals()["STEPS"] = a.steps
+    if a.drawn:  # (with --load too: report looks the saved cases up by name)
+        from bench.holdout_matrix import STRATEGIES, WITH_FSDP2
+
+        # where _trained_rows and predict look cases up by name
+        CHECKS.extend(drawn(a.drawn, a.seed, WITH_FSDP2 if a.with_fsdp2 else STRATEGIES))
     if a.load:
         results = [r for f in a.load.split(",") for r in json.loads(Path(f).read_text())]
         return report(results)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     wanted = [w for w in a.filter.split(",") if w]
     skipped = [w for w in a.skip.split(",") if w]
-    if a.drawn:
-        from bench.holdout_matrix import STRATEGIES, WITH_FSDP2
-
-        # where _trained_rows and predict look cases up by name
-        CHECKS.extend(drawn(a.drawn, a.seed, WITH_FSDP2 if a.with_fsdp2 else STRATEGIES))
     pool = CHECKS[-a.drawn:] if a.drawn else (CHECKS if a.checks else HOLDOUT)
     cases = [c for c in pool if all(w in c.name for w in wanted) and not any(w in c.name for w in skipped)]
     results = []

@@ -200,6 +200,7 @@ def drawn(n: int, seed: int, strategies: tuple[str, ...] = STRATEGIES) -> list[H
     collective waits (workers/telemetry.py: _CollectiveWaits)."""
     import random
 
+    from service.domain.spec import SpecError, validate_spec
     from service.domain.training import PEFT_UNSUPPORTED
 
     rng = random.Random(seed)
@@ -226,7 +227,11 @@ def drawn(n: int, seed: int, strategies: tuple[str, ...] = STRATEGIES) -> list[H
                 f"{label}×{workers} mb{mb} acc{acc} {data}")
         if name in names:
             continue
+        training = _t(seq, mb, acc=acc, workers=workers, strategy=strategy, precision=precision, ckpt=ckpt, **extra)
+        try:  # a job the service would answer with a 422 (prefix tuning with checkpointing, say) is drawn again
+            validate_spec({"model": f"preset:{fam}", "training_file": "file-drawn", "training": training})
+        except SpecError:
+            continue
         names.add(name)
-        out.append(HoldoutCase(name, fam, _t(seq, mb, acc=acc, workers=workers, strategy=strategy,
-                                              precision=precision, ckpt=ckpt, **extra), data=data))
+        out.append(HoldoutCase(name, fam, training, data=data))
     return out

@@ -33,6 +33,7 @@ CASES = json.loads((Path(__file__).parent / "data" / "plans_before_typed_plan.js
 # Then deepspeed_zero2_4_workers's phases (a checkpointed block's recomputation: a gated MLP's backward holds
 # three T × intermediate gradients; the recomputation's own forward, a phase of its own) and the second
 # suggestion of fsdp_2_workers_l4 (LoRA with checkpointing: the first block's input needs a gradient), neither peak.
+# And the two CPU cases' optimizer states by 4 bytes a trainable tensor (AdamW's 0-dim fp32 ``step``).
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,8 @@ def test_unknown_fields_rejected_at_every_level():
         ({"strategy": "deepspeed", "peft": {"method": "qlora"}}, "training.peft.method"),
         ({"strategy": "pipeline", "peft": {"method": "qlora"}, "resources": {"num_workers": 2}}, "training.peft.method"),
         ({"peft": {"method": "prefix_tuning", "merge": True}}, "training.peft.merge"),
+        # peft raises "PREFIX_TUNING does not work with gradient checkpointing" in the worker: a 422 at admission
+        ({"peft": {"method": "prefix_tuning"}, "gradient_checkpointing": True}, "training.gradient_checkpointing"),
         ({"strategy": "pipeline", "pipeline": {"stages": 4}, "resources": {"num_workers": 2}}, "training.pipeline.stages"),
         ({"fsdp": {"cpu_offload": True}}, "training.fsdp.cpu_offload"),
         ({"strategy": "tensor"}, "training.tensor_parallel.size"),  # one worker: nothing to split over

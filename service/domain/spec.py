@@ -640,6 +640,11 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
                            "4-bit base (use lora with pipeline)")
     if peft != PeftMethod.none and peft.value not in MERGEABLE_PEFT and t.peft.merge and "merge" in t.peft.model_fields_set:
         bad("peft.merge", f"{peft.value} adapters cannot be merged into the model; set merge to false")
+    if peft == PeftMethod.prefix_tuning and t.gradient_checkpointing:
+        # peft/peft_model.py: _setup_prompt_encoder raises "PREFIX_TUNING does not work with gradient checkpointing"
+        bad("gradient_checkpointing", "prefix_tuning does not work with gradient checkpointing (peft refuses the "
+                                      "pair: its cached prefix keys and values cannot be recomputed); set "
+                                      "gradient_checkpointing to false, or use prompt_tuning or lora")
     if peft in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning) and t.strategy == StrategyName.pipeline:
         bad("peft.method", f"{peft.value} adds virtual tokens in front of the first stage's input; it cannot be "
                            "split into pipeline stages (use lora, ia3, loha or lokr)")

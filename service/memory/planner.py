@@ -152,7 +152,7 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
                 qat: tuple[int, bool] | None = None, ia3_feedforward: frozenset[str] | None = None,
                 prefix_tokens: int = 0, nf4_base: bool = False, on_gpu: bool = True,
                 lycoris: bool = False, lokr: bool = False, loss_parallel: bool = False,
-                embedding_leaf: bool = False) -> Activations:
+                embedding_leaf: bool = False, virtual_tokens: int = 0) -> Activations:
     """Bytes autograd keeps per block, by the family's ops (see the module docstring).
 
     ``zero3_linear``: DeepSpeed ZeRO-3 runs every linear through its own autograd function, which
@@ -393,11 +393,18 @@ def activations(shape: ModelShape, b: int, s: int, regime: ActivationSizes, targ
     if shape.family != "gpt2":
         final += 2 * s * shape.head_dim * regime.residual  # cast to the hidden states' dtype
     # workers/steps.py token_loss_sum shifts the labels, not the logits: cross-entropy runs over all
-    # T positions (each row's last is ignored), on a contiguous view of the logits.
-    loss_saved = T * V * 4 + T * 8  # log-softmax output (fp32) and the int64 targets
-    logits = T * V * (4 if regime.name == "fp32" else 2)
-    loss_copy = 0 if regime.name == "fp32" else T * V * 4  # fp32: a view; 16-bit logits: .float() copies
-    loss_grad = 2 * T * V * 4
+    # T positions (each row's last is ignored), on a contiguous view of the logits. Prompt tuning
+    # (``virtual_tokens``): peft prepends the virtual tokens to the embeddings, so the logits cover them too,
+    # but token_loss_sum keeps the last len(labels) positions: cross-entropy runs over the data's positions
+    # only, and the slice, not contiguous, is copied by the reshape, in the logits' dtype (measured: a prompt
+    # tuning job's log-softmax and loss gradients b × s × V, not b × (s + p) × V).
+    Tl = b * (s - virtual_tokens)
+    logit_bytes = 4 if regime.name == "fp32" else 2
+    loss_saved = Tl * V * 4 + Tl * 8  # log-softmax output (fp32) and the int64 targets
+    logits = T * V * logit_bytes
+    # fp32: a view (or the slice's copy); 16-bit logits: .float() copies
+    loss_copy = (Tl * V * logit_bytes if virtual_tokens else 0) + (0 if regime.name == "fp32" else Tl * V * 4)
+    loss_grad = 2 * Tl * V * 4
     if loss_parallel:  # V is the rank's share of the vocabulary
         # forward (_log_softmax): ``shifted = x - max`` lives on beside ``exp(shifted)`` while the sum of
         # exponentials is taken, and beside the result (the kept log-softmax) after: one fp32 T × V more than
@@ -749,6 +756,11 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     grad_bytes = dtype_bytes(rg.grad_dtype)
     grads_full = Pt * grad_bytes
     opt = Pt * 2 * dtype_bytes(rg.optimizer_dtype)
+    # torch's AdamW keeps a 0-dim fp32 ``step`` per parameter (torch/optim/adam.py: _init_group), on the CPU unless
+    # fused or capturable: 4 bytes a trainable tensor, on every rank, beside the moments (measured: the whole
+    # difference, 128 B for LoKr's 32 tensors, between planned and counted optimizer states on CPU workers).
+    # DeepSpeed's optimizers step flat partitions; on a GPU these few bytes are host memory or negligible.
+    adam_steps = 4 * len(_trainable_numels(spec, shape, targets)) if not on_gpu else 0
     master = 0
     gathered = 0  # params materialised at the loss (forward's end, backward's start) beyond the shards
     gathered_layer = 0  # params materialised while one block runs (its forward, recompute or backward)
@@ -775,7 +787,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
     elif strategy == "ddp" or (strategy == "tensor" and N == 1):
         dev.parameters = base_param_bytes
         dev.gradients = grads_full
-        dev.optimizer_states = opt
+        dev.optimizer_states = opt + adam_steps
         if N > 1 and strategy == "ddp":
             comm = grads_full  # DDP's gradient buckets: a second fp32 copy of every trainable gradient
             assumptions.append("DDP keeps gradient buckets (one fp32 copy of the trainable gradients)")
@@ -783,7 +795,18 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
         # FSDP2 keeps one dtype per unit: every shard in the trained weights' (QLoRA's packed codes: below)
         dev.parameters = P * dtype_bytes(rg.trainable_dtype) // N
         dev.gradients = grads_full // N
-        dev.optimizer_states = opt // N
+        dev.optimizer_states = opt // N + adam_steps  # every rank steps a shard of every parameter
+        if t.peft.method == PeftMethod.ia3 and N > 1:
+            # FSDP2 shards each parameter on dim 0 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: Shard(0),
+            # chunks of ceil(d0 / N) rows): IA3's feed-forward vectors are 1 × in (peft/tuners/ia3/layer.py), so
+            # rank 0 holds each whole and the others none; the plan is the fullest rank's
+            ff = set(feedforward_targets(shape.family, t.peft.target_modules))
+            whole = sum(din for name, (din, _) in shape.linear_shapes().items()
+                        if (name in ff or name.split(".")[-1] in ff)) * shape.num_layers
+            extra = whole - whole // N
+            dev.parameters += extra * dtype_bytes(rg.trainable_dtype)
+            dev.gradients += extra * grad_bytes
+            dev.optimizer_states += extra * 2 * dtype_bytes(rg.optimizer_dtype)
         unit_bytes = dtype_bytes(rg.compute_dtype)  # a unit is gathered in the compute dtype
         adapter_per_layer = 0 if full else Pt // max(shape.num_layers, 1)
         layer_unsharded = (shape.layer_params() + adapter_per_layer) * unit_bytes
@@ -846,6 +869,17 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                     # a frozen, untied lm_head is released after its forward and is not live at the
                     # loss or at the start of backward (measured with LoRA; with checkpointing it stays)
                     gathered -= shape.vocab * shape.hidden * p_bytes
+                if not full:
+                    # Other frozen weights no backward reaches are released after their forward too, so they are not
+                    # gathered at the loss: GPT-2's position embeddings, and the first block's linears that read its
+                    # input where that input needs no gradient (no checkpointing hook, not prompt tuning), whose
+                    # frozen weights DeepSpeed's linear (deepspeed/runtime/zero/linear.py) needs for no input gradient
+                    # (measured: GPT-2 IA3 under ZeRO-3, wpe and block 0's c_attn not gathered at the loss)
+                    gathered -= shape.learned_positions * shape.hidden * p_bytes
+                    if not t.gradient_checkpointing and t.peft.method != PeftMethod.prompt_tuning:
+                        first = ("c_attn",) if shape.family == "gpt2" else ("q_proj", "k_proj", "v_proj")
+                        lin = shape.linear_shapes()
+                        gathered -= sum(lin[n][0] * lin[n][1] for n in first) * p_bytes
                 assumptions.append("ZeRO-3: the model is smaller than stage3_max_reuse_distance, so gathered "
                                    "parameters stay live through forward and backward")
             else:
@@ -886,6 +920,7 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
                           input_grad=t.peft.method == PeftMethod.prompt_tuning or checkpointed_peft(spec),
                           loss_parallel=vocab_split,
                           embedding_leaf=embedding_leaf(spec, shape, vocab_split),
+                          virtual_tokens=t.peft.num_virtual_tokens if t.peft.method == PeftMethod.prompt_tuning else 0,
                           **method_terms(spec, shape))
         options = [(None, act, act.saved(t.gradient_checkpointing))]
     # FSDP2's offloaded gradients exist only from each unit's reduce-scatter in backward (foreach_reduce copies the
