@@ -43,7 +43,7 @@ def test_a_model_whose_heads_the_ranks_cannot_share_is_refused_by_field():
 
 def test_each_rank_holds_its_share_of_every_block_and_the_rest_whole():
     """small-llama over 2 ranks: q/k/v/o/gate/up/down halved, and (8000 divides by 2) the embedding's and
-    the LM head's vocabulary rows; the norms whole; the optimizer's two moments of what each rank trains;
+    the LM head's vocabulary rows; the norms whole; the optimizer's two moments of what each rank trains (and a step per tensor);
     the plan still names the whole model's counts. Over 3 ranks (3 ∤ 8000) the embedding and head whole."""
     from service.domain.model_ref import resolve_model
     from service.memory.shape import shape_for_model
@@ -58,7 +58,11 @@ def test_each_rank_holds_its_share_of_every_block_and_the_rest_whole():
     tp = _plan(TP)
     assert tp.parameter_count == shape.parameter_count()
     assert tp.model_states.device.parameters == (split // 2 + whole) * 4
-    assert tp.model_states.device.optimizer_states == 2 * tp.model_states.device.gradients == 2 * (split // 2 + whole) * 4
+    # AdamW's two moments of what each rank trains, and its 0-dim fp32 ``step`` per tensor (on the CPU): per block
+    # q/k/v/o/gate/up/down and two norms; the embedding, the head and the final norm
+    steps = 4 * (L * 9 + 3)
+    assert tp.model_states.device.gradients == (split // 2 + whole) * 4
+    assert tp.model_states.device.optimizer_states == 2 * (split // 2 + whole) * 4 + steps
     # LoRA on the attention: lora_A whole and lora_B halved on q/k/v, lora_A halved and lora_B whole on o
     lora = _plan({**TP, "peft": {"method": "lora", "r": 8}})
     r = 8
