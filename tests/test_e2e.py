@@ -165,6 +165,29 @@ def train_worker_pids(ray_head) -> list[int]:
     return out
 
 
+_TRAIN_REQUESTS = """
+import sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+try:
+    coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+except ValueError:
+    print({})
+else:
+    print(ray.get(coordinator.__ray_call__.remote(
+        lambda self: {k: len(r.requested_resources) for k, r in self._ongoing_reqs.items() if k.startswith("train-")})))
+"""
+
+
+def train_resource_requests(ray_head) -> dict[str, int]:
+    """Ray Train runs' requests held by Ray's autoscaling coordinator (ray.data's named detached actor, from
+    which an elastic group learns how many workers it may start): requester id -> bundles. Read by a driver
+    of its own, so the test process need not join the cluster."""
+    out = subprocess.run([sys.executable, "-c", _TRAIN_REQUESTS, ray_head.address], capture_output=True,
+                         text=True, timeout=120, env=ray_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - a dict literal our own snippet printed
+
+
 def test_ddp_lora_job_over_http_succeeds_with_metrics_checkpoints_and_adapter(stack):
     job_id = stack.create(strategy="ddp", peft={"method": "lora", "r": 8})
     job = stack.wait(job_id, ("succeeded",))
@@ -321,6 +344,10 @@ def test_cancel_a_running_job_stops_the_ray_job(stack, ray_head):
     stack.wait_until(lambda: not train_worker_pids(ray_head), 60, "the training workers to exit")
     stopped_after = time.monotonic() - t0
     print(f"Ray job and workers gone {stopped_after:.1f} s after cancel")
+    # The driver aborted Ray Train's controller (workers/run.py: abort_on_sigterm), which cancelled its
+    # resource request: killed with it, the request would hold 2 CPUs for 180 s, and an elastic job
+    # submitted meanwhile would wait for them (tests/test_elastic.py's job took 131 s instead of 14 s)
+    assert train_resource_requests(ray_head) == {}
     steps = stack.metrics_steps(job_id)
     time.sleep(1.5)
     assert stack.metrics_steps(job_id) == steps  # nothing more is stored after the cancel

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -276,6 +278,28 @@ def _emit_failure(req: RunRequest, error: dict) -> None:
         sink.close()
 
 
+def abort_on_sigterm() -> None:
+    """Ray Jobs' stop (memfit's cancel, pause, stall restart, fencing of an earlier attempt) sends this
+    driver SIGTERM and SIGKILL ``RAY_JOB_STOP_WAIT_TIME_S`` later. Ended outright, the driver takes Ray
+    Train's controller with it before the controller cancels its request with Ray's autoscaling
+    coordinator (ray/train/v2/_internal/execution/scaling_policy/scaling_policy.py:
+    ``before_controller_abort``), and that request keeps its CPUs reserved there for
+    ``AUTOSCALING_REQUESTS_EXPIRE_TIME_S`` (180 s, autoscaling_coordinator_client.py): an elastic job
+    (``resources.min_workers``), which starts with the workers the coordinator can reserve, waits for them.
+    So SIGTERM is handled as Ray Train handles Ctrl-C during ``fit()`` (data_parallel_trainer.py:
+    ``_register_sigint_handler``): the controller aborts, cancelling its request and stopping the workers,
+    and the driver exits; nothing is reported, since the scheduler stopped the run and knows why. Outside
+    ``fit()`` (no controller yet) the driver exits as SIGTERM would end it."""
+    def on_sigterm(signum, frame):
+        during_fit = signal.getsignal(signal.SIGINT)
+        if callable(during_fit) and during_fit is not signal.default_int_handler:
+            during_fit(signal.SIGINT, frame)  # Ray Train's: controller.abort(), then sys.exit(0)
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def init_ray() -> None:
     import ray
 
@@ -306,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         init_ray()
+        abort_on_sigterm()  # after ray.init, whose core worker installs a SIGTERM handler of its own
         fit(req)
     except RunLost as exc:
         print(json.dumps({"error": {"code": "ray_run_lost", "message": str(exc)}}), file=sys.stderr)

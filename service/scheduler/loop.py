@@ -475,6 +475,10 @@ class Scheduler:
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
+            # How long Ray Jobs waits after its stop signal before SIGKILL (3 s by default): the driver
+            # aborts Ray Train's controller on SIGTERM (workers/run.py: abort_on_sigterm), which on a
+            # loaded node can take longer than 3 s
+            "RAY_JOB_STOP_WAIT_TIME_S": os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", "15"),
             "MEMFIT_JOB_ID": job_id,
             "MEMFIT_ATTEMPT": str(attempt),
             **{k: v for k, v in os.environ.items() if k.startswith("MEMFIT_WORKER_")},
