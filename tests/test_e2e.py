@@ -5,6 +5,7 @@ its metrics back → succeeded; cancel (queued and running), a SIGKILLed schedul
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -166,15 +167,15 @@ def train_worker_pids(ray_head) -> list[int]:
 
 
 _TRAIN_REQUESTS = """
-import sys, ray
+import json, sys, ray
 ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
 try:
     coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
 except ValueError:
-    print({})
+    print(json.dumps({}))
 else:
-    print(ray.get(coordinator.__ray_call__.remote(
-        lambda self: {k: len(r.requested_resources) for k, r in self._ongoing_reqs.items() if k.startswith("train-")})))
+    print(json.dumps(ray.get(coordinator.__ray_call__.remote(
+        lambda self: {k: len(r.requested_resources) for k, r in self._ongoing_reqs.items() if k.startswith("train-")}))))
 """
 
 
@@ -185,7 +186,7 @@ def train_resource_requests(ray_head) -> dict[str, int]:
     out = subprocess.run([sys.executable, "-c", _TRAIN_REQUESTS, ray_head.address], capture_output=True,
                          text=True, timeout=120, env=ray_env())
     assert out.returncode == 0, out.stderr[-2000:]
-    return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - a dict literal our own snippet printed
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_ddp_lora_job_over_http_succeeds_with_metrics_checkpoints_and_adapter(stack):

@@ -800,9 +800,8 @@ def plan(spec: JobSpec, shape: ModelShape, gpu: str | None = None, *, world_size
             # FSDP2 shards each parameter on dim 0 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: Shard(0),
             # chunks of ceil(d0 / N) rows): IA3's feed-forward vectors are 1 × in (peft/tuners/ia3/layer.py), so
             # rank 0 holds each whole and the others none; the plan is the fullest rank's
-            ff = set(feedforward_targets(shape.family, t.peft.target_modules))
-            whole = sum(din for name, (din, _) in shape.linear_shapes().items()
-                        if (name in ff or name.split(".")[-1] in ff)) * shape.num_layers
+            ff = feedforward_targets(shape.family, t.peft.target_modules)
+            whole = sum(din for din, _ in shape.targeted_linears(ff).values()) * shape.num_layers
             extra = whole - whole // N
             dev.parameters += extra * dtype_bytes(rg.trainable_dtype)
             dev.gradients += extra * grad_bytes

@@ -109,15 +109,13 @@ class ModelShape:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
         }
 
+    def targeted_linears(self, targets) -> dict[str, tuple[int, int]]:
+        """The block's linears (in, out) that ``targets`` names: peft matches a module's full name or its last part."""
+        return {name: io for name, io in self.linear_shapes().items() if name in targets or name.split(".")[-1] in targets}
+
     def lora_params(self, r: int, targets: list[str]) -> int:
         """Trainable parameters of LoRA rank r on ``targets`` (module names) in every layer."""
-        shapes = self.linear_shapes()
-        n = 0
-        for name, (din, dout) in shapes.items():
-            short = name.split(".")[-1]
-            if name in targets or short in targets:
-                n += r * (din + dout)
-        return n * self.num_layers
+        return sum(r * (din + dout) for din, dout in self.targeted_linears(targets).values()) * self.num_layers
 
     def layer_numels(self) -> list[int]:
         """One block's parameter sizes in ``block.parameters()`` order (attention, MLP, norms)."""
@@ -170,10 +168,8 @@ class ModelShape:
           feed-forward module (``is_feedforward``).
         """
         one_layer: list[int] = []
-        for name, (din, dout) in self.linear_shapes().items():
-            short = name.split(".")[-1]
-            if name not in targets and short not in targets:
-                continue
+        feedforward_linears = self.targeted_linears(feedforward)
+        for name, (din, dout) in self.targeted_linears(targets).items():
             if method in ("lora", "qlora"):
                 one_layer += [r * din, dout * r]
             elif method == "loha":
@@ -184,7 +180,7 @@ class ModelShape:
                 one_layer.append(out_l * in_m)
                 one_layer += [out_k * in_n] if r >= max(out_k, in_n) / 2 else [out_k * r, r * in_n]
             elif method == "ia3":
-                one_layer.append(din if (name in feedforward or short in feedforward) else dout)
+                one_layer.append(din if name in feedforward_linears else dout)
             else:
                 raise ValueError(f"{method!r} does not adapt linears")
         return one_layer * self.num_layers
