@@ -9,12 +9,19 @@ round, so a drift in the machine's load falls on both alike)
       lines only) submitted with the Ray Jobs client, as ``ray job submit --py-modules`` does.
 Timestamps: a step's time is the one the Ray Train controller stamped on its record (same host
 clock); memfit's end is the job's ``finished_at``; the direct run's end is Ray's job ``end_time``.
+Each run starts on an idle cluster: no Ray job running and no actor left but Ray's autoscaling
+coordinator (memfit marks a job succeeded before its Ray driver has exited, so without the wait the
+next run would start beside that teardown). Each side's start is also split at Ray's own
+submission time (the job's ``start_time``): POST → submitted is memfit's own part; submitted →
+first step is Ray's, the same entrypoint on both sides.
 
     .venv/bin/python bench/job_latency.py [--runs 3] [--steps 5]
 
 Prints each round, the median and spread (min–max) of each, memfit's added seconds, each round's ratio
-(memfit / direct within the round) and their median, PASS/FAIL of that median against 1.02, and where
-memfit's start went in the first measured round (its job events, relative to the POST).
+(memfit / direct within the round) and their median, PASS/FAIL of that median against 1.02, the same
+split at Ray's submission (memfit's own part, and Ray's part of each side with its paired ratio), the
+seconds each run waited for an idle cluster, and where memfit's start went in the first measured round
+(its job events, relative to the POST).
 
 It also prints the CPU seconds each side spent, POST/submit to the end of the run: this process's own
 (on memfit's side the API, the scheduler and the ingest of the run's reports, which all run here, plus
@@ -64,7 +71,9 @@ def cpu_seconds() -> tuple[float, float]:
     return me.user + me.system, machine.user + machine.system + machine.nice
 
 
-def run_memfit(http: httpx.Client, train_id: str, steps: int) -> tuple[float, float, str, list[tuple[float, str]]]:
+def run_memfit(http: httpx.Client, ray, train_id: str, steps: int) -> tuple[float, float, float, str, list[tuple[float, str]]]:
+    """POST → first step, Ray's submission → first step, last step → succeeded (seconds), the job id and
+    where its start went (its events)."""
     t_post = time.time()
     job = http.post("/v1/fine_tuning/jobs", json=job_body(train_id, steps)).json()
     job_id = job["id"]
@@ -80,7 +89,9 @@ def run_memfit(http: httpx.Client, train_id: str, steps: int) -> tuple[float, fl
     finished = _exact_finish(http, job_id) or float(done["created_at"])
     phases = _event_times(http, job_id, t_post)
     phases.append((times[0] - t_post, "first training step (rank 0)"))
-    return times[0] - t_post, finished - times[-1], job_id, sorted(phases)
+    sid = next(m.split("Submitted to Ray as ", 1)[1] for _, m in phases if m.startswith("Submitted to Ray as "))
+    ray_start = times[0] - ray.client.get_job_info(sid).start_time / 1000.0
+    return times[0] - t_post, ray_start, finished - times[-1], job_id, sorted(phases)
 
 
 def _exact_finish(http: httpx.Client, job_id: str) -> float | None:
@@ -124,7 +135,24 @@ def snapshot_code(work: Path) -> None:
         CODE_SNAPSHOT.append(dst)
 
 
-def run_direct(ray, request: dict, work: Path, n: int) -> tuple[float, float]:
+def wait_idle(ray, timeout_s: float = 90.0) -> float:
+    """Wait until the cluster is as a new run would find it: every Ray job ended (memfit marks a job
+    succeeded when its result arrives, before its Ray driver has exited) and no actor left but Ray's
+    own coordinator. Returns the seconds waited."""
+    from ray.util.state import list_actors
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        jobs_running = [j for j in ray.client.list_jobs() if not j.status.is_terminal()]
+        alive = list_actors(address=ray.address, filters=[("state", "!=", "DEAD")], raise_on_missing_output=False)
+        actors = [a for a in alive if a.class_name != "_AutoscalingCoordinatorActor"]
+        if not jobs_running and not actors:
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise RuntimeError(f"the cluster is still busy after {timeout_s:.0f} s: jobs {jobs_running}, actors {actors}")
+
+
+def run_direct(ray, request: dict, work: Path, n: int) -> tuple[float, float, float]:
     """The same entrypoint and runtime_env, submitted straight to the Jobs API."""
     out = work / f"direct-{n}"
     out.mkdir(parents=True)
@@ -148,10 +176,10 @@ def run_direct(ray, request: dict, work: Path, n: int) -> tuple[float, float]:
         time.sleep(0.1)
     if st.status != "SUCCEEDED":
         raise RuntimeError(f"direct run {sid} ended {st.status}: {st.message}\n" + "\n".join(ray.log_tail(sid)))
-    end = ray.client.get_job_info(sid).end_time / 1000.0
+    info = ray.client.get_job_info(sid)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     times = sorted(r["time"] for r in records if r.get("kind") == "metrics" and r.get("rank") == 0)
-    return times[0] - t_submit, end - times[-1]
+    return times[0] - t_submit, times[0] - info.start_time / 1000.0, info.end_time / 1000.0 - times[-1]
 
 
 def main() -> None:
@@ -183,28 +211,35 @@ def main() -> None:
             train_id = http.post("/v1/files", files={"file": ("chat.jsonl", f)}, data={"purpose": "fine-tune"}).json()["id"]
 
         print("warm-up run (not measured) …", flush=True)
-        _, _, warm_id, _ = run_memfit(http, train_id, args.steps)
+        ray = service.scheduler.ray
+        _, _, _, warm_id, _ = run_memfit(http, ray, train_id, args.steps)
         from service.scheduler.paths import request_path
 
         request = json.loads(request_path(settings, warm_id, 1).read_text())
-        run_direct(service.scheduler.ray, request, work, 0)
+        wait_idle(ray)
+        run_direct(ray, request, work, 0)
 
         memfit_start, memfit_end, direct_start, direct_end = [], [], [], []
+        memfit_ray, direct_ray, waited = [], [], []
         memfit_cpu: list[tuple[float, float]] = []
         direct_cpu: list[tuple[float, float]] = []
         first_phases = None
         for n in range(1, args.runs + 1):
             def memfit_run():
+                waited.append(wait_idle(ray))
                 before = cpu_seconds()
-                s, e, _, phases = run_memfit(http, train_id, args.steps)
+                s, rs, e, _, phases = run_memfit(http, ray, train_id, args.steps)
+                memfit_ray.append(rs)
                 memfit_cpu.append(tuple(b - a for a, b in zip(before, cpu_seconds())))
                 memfit_start.append(s)
                 memfit_end.append(e)
                 return phases
 
             def direct_run():
+                waited.append(wait_idle(ray))
                 before = cpu_seconds()
-                ds, de = run_direct(service.scheduler.ray, request, work, n)
+                ds, drs, de = run_direct(ray, request, work, n)
+                direct_ray.append(drs)
                 direct_cpu.append(tuple(b - a for a, b in zip(before, cpu_seconds())))
                 direct_start.append(ds)
                 direct_end.append(de)
@@ -217,7 +252,8 @@ def main() -> None:
                 phases = memfit_run()
             first_phases = first_phases or phases
             print(f"round {n} ({'memfit first' if n % 2 else 'direct first'}): memfit start {memfit_start[-1]:6.2f} s "
-                  f"end {memfit_end[-1]:5.2f} s | direct start {direct_start[-1]:6.2f} s end {direct_end[-1]:5.2f} s | "
+                  f"(Ray {memfit_ray[-1]:5.2f}) "
+                  f"end {memfit_end[-1]:5.2f} s | direct start {direct_start[-1]:6.2f} s (Ray {direct_ray[-1]:5.2f}) end {direct_end[-1]:5.2f} s | "
                   f"CPU s (this process / machine): memfit {memfit_cpu[-1][0]:.2f} / {memfit_cpu[-1][1]:.1f}, "
                   f"direct {direct_cpu[-1][0]:.2f} / {direct_cpu[-1][1]:.1f}", flush=True)
 
@@ -238,6 +274,13 @@ def main() -> None:
               f"{ds:6.2f} s ({spread(direct_start)})   memfit adds {ms - ds:+.2f} s (ratio of medians {ms / ds:.3f})")
         print(f"  paired ratio per round (memfit / direct, same round): median {ratio:.3f} ({spread(paired)}); "
               f"rounds {', '.join(f'{r:.3f}' for r in paired)}")
+        ray_paired = [m / d for m, d in zip(memfit_ray, direct_ray)]
+        own = [t - r for t, r in zip(memfit_start, memfit_ray)]
+        print(f"  Ray's submission → first step     : memfit {med(memfit_ray):6.2f} s ({spread(memfit_ray)})   direct "
+              f"{med(direct_ray):6.2f} s ({spread(direct_ray)}); paired ratio median {med(ray_paired):.3f} "
+              f"({spread(ray_paired)})")
+        print(f"  POST → Ray's submission (memfit's own part): median {med(own):.2f} s ({spread(own)}); "
+              f"before each run the cluster was idle after {med(waited):.1f} s ({spread(waited)})")
         print(f"  last step → succeeded             : memfit {me:6.2f} s ({spread(memfit_end)})   direct Jobs API "
               f"{de:6.2f} s ({spread(direct_end)})   memfit adds {me - de:+.2f} s")
         print(f"  job start target ≤ 1.02 × direct: {'PASS' if ratio <= 1.02 else 'FAIL'} (median paired ratio {ratio:.3f})")
