@@ -89,8 +89,9 @@ def run_memfit(http: httpx.Client, ray, train_id: str, steps: int) -> tuple[floa
     finished = _exact_finish(http, job_id) or float(done["created_at"])
     phases = _event_times(http, job_id, t_post)
     phases.append((times[0] - t_post, "first training step (rank 0)"))
-    sid = next(m.split("Submitted to Ray as ", 1)[1] for _, m in phases if m.startswith("Submitted to Ray as "))
-    ray_start = times[0] - ray.client.get_job_info(sid).start_time / 1000.0
+    from service.scheduler.paths import submission_id
+
+    ray_start = times[0] - ray.client.get_job_info(submission_id(job_id, 1)).start_time / 1000.0
     return times[0] - t_post, ray_start, finished - times[-1], job_id, sorted(phases)
 
 

@@ -24,29 +24,17 @@ def _args(tmp_path, **kw) -> TrainArgs:
 LEARNED = 0.25  # nats per label token the trained adapter takes off the training set's loss, at least (0.45 measured)
 
 
-def _training_set_loss(model, args: TrainArgs, model_dir: str) -> float:
-    """Mean loss per label token over the job's whole training file (the model's own shifted loss)."""
-    from workers.data import IGNORE, eval_batches, load_dataset
-    from workers.models import load_tokenizer
-
-    data = load_dataset(args.training_path, load_tokenizer(model_dir), args.max_seq_length)
-    total = tokens = 0.0
-    with torch.no_grad():
-        for batch in eval_batches(data, 8, 0, 1):
-            n = (batch["labels"][:, 1:] != IGNORE).sum().item()
-            total += model(**batch).loss.item() * n
-            tokens += n
-    return total / tokens
-
-
 def test_qlora_trains_on_a_4bit_base_on_cpu_resumes_saves_and_merges(tmp_path):
     import bitsandbytes as bnb
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from workers.models import resolve_model_dir
+    from workers.data import load_dataset
+    from workers.models import load_tokenizer, resolve_model_dir
     from workers.peft_setup import load_quantized
+    from workers.steps import WorkerEnv
     from workers.strategies import build_model
+    from workers.strategies.common import evaluate
 
     args = _args(tmp_path, checkpoint_every_steps=9)
     model_dir = str(resolve_model_dir(args.model))
@@ -84,10 +72,14 @@ def test_qlora_trains_on_a_4bit_base_on_cpu_resumes_saves_and_merges(tmp_path):
         # the same adapter on the original fp32 weights: off by the 4-bit rounding of the base
         on_fp32 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(out / "adapter")).eval()
         fp32_logits = on_fp32(input_ids=ids).logits
-    # the adapter learned: the training set's loss with it, against the same 4-bit base without it
-    trained = _training_set_loss(adapted, args, model_dir)
-    with adapted.disable_adapter():
-        untrained = _training_set_loss(adapted, args, model_dir)
+    # the adapter learned: the training set's loss per label token (the workers' own eval loss) with it,
+    # against the same 4-bit base without it
+    data = load_dataset(args.training_path, load_tokenizer(model_dir), args.max_seq_length)
+    one_process = WorkerEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    with torch.no_grad():
+        trained = evaluate(adapted, data, args, one_process)
+        with adapted.disable_adapter():
+            untrained = evaluate(adapted, data, args, one_process)
     assert trained < untrained - LEARNED, (trained, untrained)
     # merged into the dequantised base: what the adapter model computes, up to float rounding
     torch.testing.assert_close(merged_logits, adapted_logits, rtol=1e-4, atol=1e-4)
