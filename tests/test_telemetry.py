@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from workers.telemetry import HostMemoryExceeded, StepTelemetry  # noqa: E402
+from workers.telemetry import HostMemoryExceeded, StepTelemetry, process_rss_bytes, release_free_heap  # noqa: E402
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": False}
@@ -166,6 +166,38 @@ def test_host_budget_raises_and_post_mortem_says_where():
     assert pm["breakdown"]["parameters_bytes"] == sum(p.numel() * 4 for p in model.parameters())
     assert pm["suggestions"] == [{"change": "gradient_checkpointing"}]
     del loss
+
+
+def test_host_budget_counts_what_is_held_not_what_malloc_kept_after_a_free():
+    """Freed memory that glibc keeps in its heap (the holes between live blocks) is not an out-of-memory:
+    the mark hands it back to the OS and re-reads RSS first, as CUDA's allocator frees its cache and
+    retries. Memory that is really held still raises, and the message gives both figures."""
+    if not release_free_heap():
+        pytest.skip("the C library has no malloc_trim (not glibc): there is nothing to hand back")
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    MiB = 2**20
+    release_free_heap()
+    base = process_rss_bytes()
+    # 300 MiB of 96 KiB blocks (below malloc's mmap threshold, so they live in the heap, every page
+    # written); freeing all but every 16th leaves ~280 MiB of holes that no tensor or object holds.
+    blocks = [b"x" * (96 * 1024) for _ in range(3200)]
+    kept = blocks[::16]
+    del blocks
+    held = process_rss_bytes()
+    assert held - base > 200 * MiB, "glibc handed the holes back by itself: this test no longer tests anything"
+    budget = base + 100 * MiB
+    tel = StepTelemetry(rank=0, device="cpu", model=model, optimizer=opt, every_steps=1, trace_every_steps=10,
+                        host_budget_bytes=budget)
+    tel.begin_step(1)
+    tel.mark("forward")  # over the budget by ~180 MiB of free heap: released, not raised
+    assert process_rss_bytes() < budget
+    grown = [b"y" * (96 * 1024) for _ in range(2000)]  # ~190 MiB really held: still out of memory
+    with pytest.raises(HostMemoryExceeded) as info:
+        tel.mark("backward")
+    assert info.value.rss_bytes > budget and info.value.phase == "backward"
+    assert "exceeded the host memory budget" in str(info.value)
+    del kept, grown
 
 
 def _fsdp_rank(rank: int, port: int, q) -> None:
