@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/memfit run examples/tiny-lora.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rfEs -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .memfit test-artifacts
