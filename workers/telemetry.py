@@ -33,8 +33,9 @@ What a sample holds (bytes, per rank, see ``service.domain.records.MemoryRecord`
 caching allocator, which frees its cached blocks and retries before it raises, a mark over the budget
 first hands the allocator's free heap pages back to the OS (glibc ``malloc_trim``) and raises only if
 the process is still over: freed activations of earlier micro-batches stay resident in malloc's heap
-(50–200 MiB measured for small-llama at 1024 tokens, ``tests/test_telemetry.py``), so without it the
-check would fail on memory no tensor holds, by an amount that changes from run to run.
+(up to 214 MiB at a mark, measured in-process on ``tests/test_downshift.py``'s small-llama job at
+1024 tokens, 1 × 4), so without it the check would fail on memory no tensor holds, by an amount that
+changes from run to run.
 """
 
 from __future__ import annotations
