@@ -114,8 +114,8 @@ def test_the_head_restarts_mid_job_and_attempt_2_resumes_from_the_latest_checkpo
             resumed_at = wait_for_checkpoint(stack, job_id, 4)
 
             # The whole head at once, as a pod restart does: GCS, raylet, dashboard, the driver and its
-            # workers, SIGKILLed together. A graceful stop (SIGTERM to `ray start`, up to 10 s) let the
-            # tiny run's last steps finish first on a loaded machine, and attempt 1 then succeeded.
+            # workers, SIGKILLed together. A graceful stop (SIGTERM to `ray start`, up to 10 s) could let
+            # the tiny run's last steps finish first on a loaded machine, and attempt 1 then succeed.
             head.ownership.end(timeout_s=10.0)
             head.stop()
             head = own_head(like=head)  # a new head at the same address, knowing no jobs
