@@ -41,8 +41,12 @@ MARGINS: dict[str, Measured] = {
     # docs/memory-accuracy*.md's measured MiB (0.1 MiB resolution), the FSDP2, chunked, QLoRA and dp2tp2 rows and the
     # held-out matrix, its checks and the first draw from their saved measurements (docs/measurements/2026-12-06/).
     # Each margin is the worst under-prediction of its strategy over all of them (none is under by more than 0.8%).
-    "ddp": Measured(0.0011, "bench/memory_accuracy.py ddp1, both grids (worst −0.08%, re-predicted 2026-12-06) and "
-                            "bench/holdout_accuracy.py at 1-3 ranks (worst −0.11%, small-gpt2 LoRA r16 ×2 mb8)"),
+    # The chunked-loss matrix's DDP rows (bench/memory_accuracy.py --chunked, docs/measurements/2026-12-06/
+    # chunk_all.json) were left out of this row until the drift alarm's check (bench/alarm_silence.py) found their
+    # worst, −0.13% (small-qwen2 s512 bf16 chunk512; small-llama's −0.12%: 303 KiB each), under the 0.11% it said.
+    "ddp": Measured(0.0013, "bench/memory_accuracy.py ddp1, both grids (worst −0.08%, re-predicted 2026-12-06), "
+                            "--chunked (worst −0.13%, small-qwen2 s512 bf16 chunk512) and bench/holdout_accuracy.py at 1-3 ranks "
+                            "(worst −0.11%, small-gpt2 LoRA r16 ×2 mb8)"),
     # FSDP2 ×2 over gloo, resharding after forward. With traces that pause after each collective's wait
     # (workers/telemetry.py: _CollectiveWaits, FSDP2 included since 2026-12-06) every config peaks at one level at
     # every step and rank, and the planner plans what FSDP2 holds (planner.py: fsdp_root_reduce), no race level:

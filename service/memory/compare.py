@@ -10,7 +10,11 @@ allocator rounding) is outside what the allocator's tensors show, so the predict
 the measured peak is the plan's peak minus its overhead. Errors are signed: (predicted − measured) /
 measured, negative when the planner under-predicts.
 
-A plan made with the training file is for that data (its longest row, padded: service/memory/data.py),
+Each measured step is also compared with the plan of its own micro-batches (``steps``:
+service/memory/step_compare.py), per rank, with the worst error and whether every step is within the bound;
+``predicted_run`` is what the planner said of the run before it started (its peak step, rank and rows).
+
+A plan made with the training file is for that data (the run's worst step: service/memory/steps.py),
 and that is what is compared; the same job's bound, every row padded to ``max_seq_length``, is reported
 beside it (``predicted_at_max_seq_length``), never compared — real data rarely fills max_seq_length.
 """
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from service.domain.plan import COMPARED, MODEL_STATES, read_plan
+from service.domain.plan import COMPARED, JOB_PHASES, MODEL_STATES, read_plan
+from service.memory.step_compare import compare_steps, step_planner
 from service.store.models import MEMORY_BYTE_COLUMNS
 
 STEADY_STATE_STEP = 3  # the planner predicts a steady-state step: the optimizer states exist from step 2
@@ -132,7 +137,8 @@ def bucket_entry(b: Any) -> dict[str, Any]:
 
 
 def job_memory_view(job, samples: list[Any], *, peaks: dict[int, dict[str, int | None]] | None = None,
-                    attempt: int | None = None, buckets: dict[int, list[Any]] | None = None) -> dict[str, Any]:
+                    attempt: int | None = None, buckets: dict[int, list[Any]] | None = None,
+                    phase_samples: list[Any] | None = None) -> dict[str, Any]:
     """``GET /v1/fine_tuning/jobs/{id}/memory``: the plan, the samples per rank over steps, the peak per
     category per rank and each predicted category's signed error.
 
@@ -152,6 +158,8 @@ def job_memory_view(job, samples: list[Any], *, peaks: dict[int, dict[str, int |
             continue
         by_rank.setdefault(str(s.rank), []).append(_sample_entry(s))
     by_rank = {r: by_rank[r] for r in sorted(by_rank, key=int)}
+    # each step against the plan of its own micro-batches (service/memory/step_compare.py)
+    steps = compare_steps(step_planner(job.id, getattr(job, "spec", None), job.plan), by_rank)
     errors = {str(r): {c: signed_error((predicted or {}).get(c), m.get(c)) for c in COMPARED} for r, m in peaks.items()}
     rows = {str(r): [{"category": c, "predicted_bytes": (predicted or {}).get(c), "measured_bytes": m.get(c),
                       "error": errors[str(r)][c]} for c in COMPARED] for r, m in sorted(peaks.items())}
@@ -172,7 +180,75 @@ def job_memory_view(job, samples: list[Any], *, peaks: dict[int, dict[str, int |
         "per_rank": rows,
         "summary": job.memory_summary or initial_summary(job.plan),
         "error_definition": "(predicted - measured) / measured; negative = under-predicted",
+        # load, step, eval, checkpoint, export: planned and measured per rank, and which phase peaks
+        "phases": phase_view(job.plan, phase_samples if phase_samples is not None else samples,
+                             [s for s in samples if s.phase == "step" and s.attempt == attempt]),
+        "steps": steps,
+        "predicted_run": (read_plan(job.plan).steps.model_dump(mode="json")
+                          if read_plan(job.plan) is not None and read_plan(job.plan).steps is not None else None),
     }
+
+
+# --- the job's phases: load, step, eval, checkpoint, export --------------------------------------------
+
+MEASURED_PHASES = ("load", "eval", "checkpoint", "export", "sample")  # workers/telemetry.py PhaseMeter's (sample: RL)
+
+
+def _peak_and_lead(values: dict[str, int | None]) -> tuple[str | None, float | None]:
+    """(the phase with the highest value, how far above the next one it is: (peak − second) / second)."""
+    known = sorted(((v, k) for k, v in values.items() if v), reverse=True)
+    if not known:
+        return None, None
+    if len(known) == 1 or not known[1][0]:
+        return known[0][1], None
+    return known[0][1], (known[0][0] - known[1][0]) / known[1][0]
+
+
+def phase_view(plan: Any, phase_samples: Iterable[Any], step_samples: Iterable[Any] = ()) -> dict[str, Any]:
+    """Memory by phase of the job, planned (the plan's ``job_phases``: service/memory/phases.py) and measured
+    per rank (workers/telemetry.py PhaseMeter: each phase's host peak — the process's peak resident memory — and
+    on a GPU the allocator's device peak; the step's from its samples), with the phase that peaks and by how much
+    it is above the next one."""
+    p = read_plan(plan)
+    planned: dict[str, dict[str, Any]] = {}
+    planned_peak: dict[str, Any] = {}
+    if p is not None and p.job_phases is not None:
+        jp = p.job_phases
+        planned = {k: {"device_bytes": v.device_bytes, "host_bytes": v.host_bytes, "fits": v.fits}
+                   for k, v in jp.phases.items()}
+        for side in ("device", "host"):
+            phase, lead = _peak_and_lead({k: v[f"{side}_bytes"] for k, v in planned.items()})
+            planned_peak[side] = {"phase": phase, "above_next": lead}
+    measured: dict[str, dict[str, dict[str, int | None]]] = {}
+    for sm in phase_samples:
+        if sm.phase not in MEASURED_PHASES:
+            continue
+        row = measured.setdefault(str(sm.rank), {}).setdefault(sm.phase, {"host_bytes": None, "device_bytes": None})
+        host = sm.process_rss_bytes
+        dev = (sm.device or {}).get("max_memory_allocated")
+        if host is not None and (row["host_bytes"] is None or host > row["host_bytes"]):
+            row["host_bytes"] = int(host)
+        if dev is not None and (row["device_bytes"] is None or dev > row["device_bytes"]):
+            row["device_bytes"] = int(dev)
+    for sm in step_samples:
+        row = measured.setdefault(str(sm.rank), {}).setdefault("step", {"host_bytes": None, "device_bytes": None})
+        host, dev = sm.process_rss_bytes, ((sm.device or {}).get("max_memory_allocated") if sm.device else None)
+        if host is not None and (row["host_bytes"] is None or host > row["host_bytes"]):
+            row["host_bytes"] = int(host)
+        if dev is not None and (row["device_bytes"] is None or dev > row["device_bytes"]):
+            row["device_bytes"] = int(dev)
+    measured_peak = {}
+    for rank, phases in measured.items():
+        measured_peak[rank] = {}
+        for side in ("device", "host"):
+            phase, lead = _peak_and_lead({k: v[f"{side}_bytes"] for k, v in phases.items()})
+            measured_peak[rank][side] = {"phase": phase, "above_next": lead}
+    extra = [k for k in planned if k not in JOB_PHASES]  # RL's sample phase (service/memory/rl.py)
+    return {"phases": [*JOB_PHASES, *extra], "planned": planned, "planned_peak": planned_peak,
+            "measured": {r: measured[r] for r in sorted(measured, key=int)}, "measured_peak": measured_peak,
+            "definition": "host: the rank's process at its peak resident memory in the phase (rank 0's export); "
+                          "device: GPU memory (planned with the allocator's overhead, measured as "
+                          "max_memory_allocated); above_next: (peak − next phase) / next phase"}
 
 
 def initial_summary(plan: Any) -> dict[str, Any] | None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.domain.encoding import DEFAULT_CHAT_TEMPLATE, encode_example, row_lengths
+from service.domain.encoding import DEFAULT_CHAT_TEMPLATE, encode_example, encode_preference, pack_segments, row_lengths
 from service.domain.model_ref import ModelRefError, resolve_model
 from service.domain.plan import DataShape
 from service.domain.spec import JobSpec, PeftMethod
@@ -119,12 +119,13 @@ class JsonTokenizer:
     def eos_token_id(self) -> int | None:
         return self._id("eos_token")
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
+                            tools: list[dict] | None = None) -> str:
         assert not tokenize, "the planner renders text and tokenizes it itself"
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        return self._template.render(messages=chat, tools=None, documents=None,
+        return self._template.render(messages=chat, tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
 
@@ -202,7 +203,10 @@ def example_lengths(path: str, tokenizer: JsonTokenizer) -> array:
             _CACHE.move_to_end(key)
             return _CACHE[key]
     fmt, rows = read_jsonl(path)
-    lengths = array("I", (len(encode_example(tokenizer, r, fmt)[0]) for r in rows))
+    if fmt == "preference":  # DPO: the chosen and the rejected sequence share a micro-batch; the longer counts
+        lengths = array("I", (max(len(c), len(r)) for (c, _), (r, _) in (encode_preference(tokenizer, row) for row in rows)))
+    else:
+        lengths = array("I", (len(encode_example(tokenizer, r, fmt)[0]) for r in rows))
     with _CACHE_LOCK:
         _CACHE[key] = lengths
         while len(_CACHE) > _CACHE_FILES:
@@ -210,12 +214,23 @@ def example_lengths(path: str, tokenizer: JsonTokenizer) -> array:
     return lengths
 
 
+def training_rows(spec: JobSpec, training_path: str, model_dirs=(), model_path: str | None = None) -> tuple[list[int], int]:
+    """(every training row's tokens, in the order the workers hold them, and the examples' count): the rows the
+    shared order (service/domain/sampling.py) deals, for the step-by-step plan (service/memory/steps.py). Raises
+    as the tokenizer or the file does; :func:`data_shape` says why first."""
+    hp = spec.training.hyperparameters
+    tokenizer, _ = tokenizer_for(spec, model_dirs, model_path)
+    lengths = example_lengths(training_path, tokenizer)
+    return row_lengths(list(lengths), hp.max_seq_length, hp.packing), len(lengths)
+
+
 def data_shape(spec: JobSpec, training_path: str | None, model_dirs=(), model_path: str | None = None) -> DataShape:
     """The training data's rows as the planner plans them (see the module docstring). Never raises: a file
     or tokenizer that cannot be read gives ``measured=False`` with the reason, and the bound."""
     hp = spec.training.hyperparameters
     bound = DataShape(measured=False, reason="", training_file=spec.training_file, max_seq_length=hp.max_seq_length,
-                      planned_seq_length=hp.max_seq_length, packing=hp.packing)
+                      planned_seq_length=hp.max_seq_length, packing=hp.packing,
+                      padded=hp.packing)  # packed rows of several examples are masked block-diagonally
     if not training_path:
         return bound.model_copy(update={"training_file": None, "reason": "no training file given: every row is planned "
                                         f"padded to max_seq_length={hp.max_seq_length}"})
@@ -235,6 +250,9 @@ def data_shape(spec: JobSpec, training_path: str | None, model_dirs=(), model_pa
     longest = max(rows)
     # collate pads the shorter rows of a micro-batch: the widest one can hold the longest row beside a shorter one
     padded = spec.resolved().micro_batch_size > 1 and min(rows) < longest
+    if hp.packing and any(len(r) > 1 for r in pack_segments([min(n, hp.max_seq_length) for n in lengths], hp.max_seq_length)):
+        # a row packed with several examples is attended block-diagonally: the model is given a mask, as for padding
+        padded = True
     truncated = sum(1 for n in lengths if n > hp.max_seq_length)
     how = "packed into rows of max_seq_length" if hp.packing else "cut to max_seq_length"
     reason = (f"{len(lengths)} examples tokenized with {source}, {how}: the longest of {len(rows)} rows is "
@@ -245,3 +263,40 @@ def data_shape(spec: JobSpec, training_path: str | None, model_dirs=(), model_pa
                      rows=len(rows), longest_row_tokens=longest, mean_row_tokens=round(sum(rows) / len(rows), 2),
                      truncated_examples=truncated, max_seq_length=hp.max_seq_length, planned_seq_length=longest,
                      packing=hp.packing, padded=padded)
+
+
+# --- what the model's chat template makes of the rows (job creation) -------------------------------
+
+
+def check_tools_rendered(spec: JobSpec, path: str, model_dirs=(), model_path: str | None = None) -> None:
+    """Every row of the file at ``path`` with tools (``tools``, the legacy ``functions``, or a preference
+    row's ``input.tools``) renders them through the job's chat template; raises DataError naming the first
+    line whose template renders it the same without them (service/domain/encoding.py: ToolsNotRendered).
+    Where the service cannot build the tokenizer (a hub model) the workers check when they tokenize."""
+    from service.domain.datafmt import CHAT, PREFERENCE, DataError, read_jsonl_numbered
+    from service.domain.encoding import ToolsNotRendered, _for_template, check_tools_rendered as check, row_tools
+
+    with open(path, "rb") as fh:  # most files name no tools: not parsed again for nothing
+        tail = b""
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            window = tail + chunk
+            if b'"tools"' in window or b'"functions"' in window:
+                break
+            tail = chunk[-16:]  # a key split across two reads
+        else:
+            return
+    fmt, rows = read_jsonl_numbered(path)
+    if fmt not in (CHAT, PREFERENCE) or not any(row_tools(r if fmt == CHAT else r["input"]) for _, r in rows):
+        return
+    try:
+        tokenizer, _ = tokenizer_for(spec, model_dirs, model_path)
+    except TokenizerUnavailable:
+        return
+    for line, row in rows:
+        chat = row if fmt == CHAT else {**row["input"], "messages": row["input"]["messages"] + row["preferred_output"]}
+        tools = row_tools(chat)
+        if tools:
+            try:
+                check(tokenizer, _for_template(tokenizer, chat["messages"]), tools)
+            except ToolsNotRendered as exc:
+                raise DataError(line, str(exc)) from None

@@ -46,6 +46,7 @@ from typing import Any
 from service.domain.plan import Plan
 from service.domain.spec import MAX_ACCUMULATION, JobSpec, StrategyName, check_rules
 from service.domain.units import human_bytes
+from service.memory.suggestions import patched_spec
 from service.settings import Settings
 
 DOWNSHIFT_REASON = "out_of_memory_downshift"  # the requeue reason (service/scheduler/loop.py)
@@ -136,16 +137,6 @@ def ladder(spec: JobSpec) -> list[tuple[str, str, dict[str, Any]]]:
     return out
 
 
-def _patched(spec: JobSpec, patch: dict[str, Any]) -> JobSpec:
-    body = spec.model_dump(mode="json")
-    for dotted, value in patch.items():
-        node = body
-        keys = dotted.split(".")
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
-    return JobSpec.model_validate(body)
-
 
 def choose(spec: JobSpec, settings: Settings, error: dict[str, Any] | None = None,
            model_path: str | None = None) -> Downshift | NoDownshift:
@@ -157,7 +148,7 @@ def choose(spec: JobSpec, settings: Settings, error: dict[str, Any] | None = Non
     specs = []
     for name, what, patch in ladder(spec):
         try:
-            candidate = _patched(spec, patch)
+            candidate = patched_spec(spec, patch)
         except ValueError:
             continue
         if not check_rules(candidate):

@@ -25,14 +25,13 @@ with what the offloading libraries allocate on the host beyond the states themse
   ``host.gradients``.
 
 **The node** (:func:`host_plan`, the plan's ``host_memory``): per rank, the host bytes at four
-instants — *load* (every rank builds the model in fp32 on the host before moving or sharding it:
-workers/models.py ``load_model``), *step* (the host column, plus on a CPU worker everything, its
+instants — *load* (:func:`load_bytes`: each rank reads only what it holds, in the dtype it holds it in,
+from the checkpoint's safetensors files: workers/weights.py), *step* (the host column, plus on a CPU worker everything, its
 process included), *checkpoint* (workers/checkpoint.py: ddp's ``full_model_state`` copies the
 state to the host on every rank; DeepSpeed's and the pipeline's ``torch.save`` stage one device
-storage at a time, at most the largest; FSDP2's DCP writes shard by shard), *export* (rank 0 only:
-ddp, DeepSpeed and the pipeline hold the trained state and a rebuilt fp32 model, 8 bytes per
-parameter, PEFT's merge reloads the base once more; FSDP2's full export streams at most one 1 GiB
-file) — each plus the worker process itself (``CPU_RUNTIME_BYTES``, measured on CPU workers; a CUDA
+storage at a time, at most the largest; FSDP2's DCP writes shard by shard), *export* (rank 0 only,
+:func:`export_extra_bytes`: streamed one tensor at a time, a PEFT merge read from the base's files) —
+each plus the worker process itself (``CPU_RUNTIME_BYTES``, measured on CPU workers; a CUDA
 worker's libraries take more, not measured here, so on GPU nodes this term is a lower bound). The
 fullest node holds as many ranks as fit it (Ray Train places its workers with the PACK strategy) and
 rank 0; its need is the largest instant, compared with what Ray found on the node
@@ -48,10 +47,9 @@ from typing import Any
 
 from service.domain.plan import HostPlan, Plan
 from service.domain.spec import JobSpec, PeftMethod, StrategyName
-from service.domain.training import MERGEABLE_PEFT, dtype_bytes
+from service.domain.training import MERGEABLE_PEFT, dtype_bytes, regime
 
 DEEPSPEED_SUB_GROUP_ELEMENTS = 10**9  # deepspeed/runtime/zero/config.py: sub_group_size default (memfit sets none)
-EXPORT_SHARD_BYTES = 1 << 30  # workers/checkpoint.py EXPORT_SHARD_BYTES: FSDP2's streamed export file
 
 
 def pow2(n: int) -> int:
@@ -101,7 +99,7 @@ def offload_terms(spec: JobSpec, *, world: int, on_gpu: bool, trainable_numels: 
     b16 = dtype_bytes(trainable_dtype)  # DeepSpeed's "bit16" groups are the module's dtype (fp32 when not 16-bit)
     largest = max(trainable_numels, default=0)
     pinned: list[int] = []
-    if t.strategy == StrategyName.deepspeed and t.deepspeed.offload_optimizer == "cpu":
+    if t.strategy == StrategyName.deepspeed and t.deepspeed.offload_optimizer in ("cpu", "nvme"):
         ds = t.deepspeed
         accumulating = spec.resolved().gradient_accumulation_steps > 1
         if ds.zero_stage in (1, 2):
@@ -124,20 +122,26 @@ def offload_terms(spec: JobSpec, *, world: int, on_gpu: bool, trainable_numels: 
 # --- the node -----------------------------------------------------------------------------------------
 
 
-def _export_extra_bytes(spec: JobSpec, base_params: int, trainable: int, on_gpu: bool) -> int:
-    """Rank 0's host bytes beyond its steady state while it exports (workers/checkpoint.py)."""
+def export_extra_bytes(spec: JobSpec, *, largest_numel: int, largest_adapted_numel: int, trainable: int,
+                       held_dtype_bytes: int, on_gpu: bool) -> int:
+    """Rank 0's host bytes beyond its steady state while it exports (workers/export.py: streamed, one tensor at
+    a time, in the base checkpoint's dtype — planned at 4 bytes an element, the most a checkpoint holds).
+
+    - PEFT: the trained adapter gathered whole and a fresh adapter beside it (2 × 4 bytes a trainable
+      parameter); the merge reads each base tensor from the checkpoint (the largest, 4 bytes an element) or,
+      for an adapted weight, reads it, folds the adapter in in fp32 and casts it back (the read, the fp32 weight,
+      the adapter's fp32 delta and the cast: 2 + 4 + 4 + 2 bytes an element, at most 12 with a 16-bit file);
+    - a full fine-tune: each tensor gathered whole (FSDP2, tensor parallel, ZeRO-3, a pipeline stage's sent to
+      rank 0) in the dtype it is held in, then cast to the checkpoint's: the largest, in both. On a CPU worker
+      under DDP or ZeRO-0/1/2 the tensor is already in this RAM: only the cast."""
     t = spec.training
-    peft = t.peft.method
-    fresh = 4 * (base_params + (trainable if peft != PeftMethod.none else 0))  # export_artifacts' rebuilt fp32 model
-    if peft != PeftMethod.none:
-        merged = 4 * base_params if (peft.value in MERGEABLE_PEFT and t.peft.merge) else 0  # merge_adapter's base
-        return fresh + merged  # the adapter's own state is small
-    if t.strategy == StrategyName.fsdp:
-        return min(EXPORT_SHARD_BYTES, 4 * base_params)  # export_model_streamed: one file at a time
-    # ddp / pipeline: full_model_state's host copy (none on a CPU worker: .cpu() of a CPU tensor is itself);
-    # DeepSpeed: the state .float().cpu() — a new fp32 copy on any device
-    state = 4 * base_params if (on_gpu or t.strategy == StrategyName.deepspeed) else 0
-    return state + fresh
+    if t.peft.method != PeftMethod.none:
+        if not (t.peft.method.value in MERGEABLE_PEFT and t.peft.merge):
+            return 2 * 4 * trainable
+        return 2 * 4 * trainable + max(4 * largest_numel, 12 * largest_adapted_numel)
+    local = t.strategy == StrategyName.ddp or (t.strategy == StrategyName.deepspeed and t.deepspeed.zero_stage < 3)
+    held = 0 if (local and not on_gpu) else largest_numel * held_dtype_bytes
+    return held + 4 * largest_numel
 
 
 def _checkpoint_extra_bytes(spec: JobSpec, plan: Plan, largest_bytes: int, on_gpu: bool) -> int:
@@ -158,6 +162,44 @@ def _checkpoint_extra_bytes(spec: JobSpec, plan: Plan, largest_bytes: int, on_gp
     return max(largest_bytes, dev.optimizer_states // 2 if t.strategy == StrategyName.deepspeed else 0)
 
 
+LOAD_CHUNK_BYTES = 64 << 20  # workers/weights.py CHUNK_BYTES: the staging buffer of a cast or a column slice
+SPLIT_ON_META = (StrategyName.fsdp, StrategyName.tensor, StrategyName.pipeline)  # built on meta, then read per rank
+
+
+def load_bytes(spec: JobSpec, plan: Plan, *, largest_numel: int, trainable: int, base_dtype_bytes: int,
+               on_gpu: bool, family: str | None = None) -> tuple[int, int]:
+    """(device, host) bytes of one rank at the end of loading its weights, beyond the worker process
+    (workers/strategies/common.py build_model and materialize, workers/weights.py).
+
+    Every rank holds what it trains with, read from the checkpoint's safetensors files straight into place in
+    its own dtype: the parameters of the plan's model states (the whole model under DDP and ZeRO-0/1/2, a shard
+    under FSDP2 and ZeRO-3, a stage's blocks, a tensor-parallel slice), on the device, or on the host where
+    they are offloaded or the worker has no GPU. Beside them while it reads:
+
+    - a staging buffer: a tensor read in another dtype than it is held in, or a tensor-parallel column slice,
+      passes through at most ``LOAD_CHUNK_BYTES`` at a time; a whole tensor where it is read whole to be
+      rearranged first (GPT-2's fused attention under tensor parallelism) or, under ZeRO-3, made whole by
+      ``deepspeed.zero.Init`` before it is partitioned (its largest parameter, on the device);
+    - FSDP2, tensor parallelism and the pipeline build the model on the meta device and keep a copy of what
+      was real before they shard it — the fresh adapter (fp32) — to put back afterwards;
+    - QLoRA's 4-bit base is quantised tensor by tensor onto the GPU (nothing on the host), or on a CPU worker
+      into the host, where the 4-bit model is what stays."""
+    t = spec.training
+    states = plan.model_states
+    largest = largest_numel * base_dtype_bytes
+    if t.peft.method == PeftMethod.qlora:
+        return (states.device.parameters if on_gpu else 0), (0 if on_gpu else states.device.parameters)
+    staging = min(LOAD_CHUNK_BYTES, largest)
+    gpt2_fused = family == "gpt2" and t.strategy == StrategyName.tensor
+    if gpt2_fused:
+        staging = 2 * largest  # read whole, then rearranged (a copy)
+    zero3_whole = largest if t.strategy == StrategyName.deepspeed and t.deepspeed.zero_stage == 3 else 0
+    snapshot = 4 * trainable if t.strategy in SPLIT_ON_META else 0
+    if on_gpu:
+        return states.device.parameters + zero3_whole, states.host.parameters + staging + snapshot
+    return 0, states.device.parameters + states.host.parameters + max(staging, zero3_whole) + snapshot
+
+
 def ranks_per_node(spec: JobSpec, node) -> int:
     """How many of the job's workers Ray Train's PACK placement puts on ``node`` (its CPUs and GPUs)."""
     res = spec.training.resources
@@ -168,18 +210,19 @@ def ranks_per_node(spec: JobSpec, node) -> int:
 
 
 def host_plan(spec: JobSpec, plan: Plan, *, base_params: int, trainable: int, largest_numel: int,
-              runtime_bytes: int, nodes=None, safety_margin: float = 0.10) -> HostPlan:
+              runtime_bytes: int, nodes=None, safety_margin: float = 0.10, family: str | None = None,
+              largest_adapted_numel: int | None = None) -> HostPlan:
     """The plan's ``host_memory``: per-rank host bytes at each instant, and the fullest node's need
     against its memory where the cluster's nodes are known (``nodes``: service/memory/nodes.py)."""
     on_gpu = plan.gpu is not None
     host = plan.per_rank.host
     steady = host.parameters + host.gradients + host.optimizer_states + host.overhead
     step_bytes = (plan.need_bytes - runtime_bytes if not on_gpu else host.total)
-    load = 4 * (base_params + (trainable if spec.training.peft.method != PeftMethod.none else 0))
-    if spec.training.peft.method == PeftMethod.qlora:
-        # loaded quantised tensor by tensor (workers/peft_setup.py device_map): straight onto the GPU, or on a
-        # CPU worker into the host, where the 4-bit model is what stays
-        load = 0 if on_gpu else plan.model_states.device.parameters
+    rg = regime(spec.training.strategy.value, spec.training.peft.method.value, spec.training.precision.value)
+    held_dtype = rg.trainable_dtype if spec.training.peft.method == PeftMethod.none else rg.frozen_dtype
+    _, load = load_bytes(spec, plan, largest_numel=largest_numel, trainable=trainable,
+                         base_dtype_bytes=dtype_bytes(held_dtype) if held_dtype in ("float32", "bfloat16", "float16")
+                         else 4, on_gpu=on_gpu, family=family)
     largest_bytes = largest_numel * 4
     per_rank = {
         "load": runtime_bytes + load,
@@ -188,7 +231,10 @@ def host_plan(spec: JobSpec, plan: Plan, *, base_params: int, trainable: int, la
         + _checkpoint_extra_bytes(spec, plan, largest_bytes, on_gpu),
     }
     steady_all = runtime_bytes + (step_bytes if not on_gpu else steady)
-    export_extra = _export_extra_bytes(spec, base_params, trainable, on_gpu)
+    export_extra = export_extra_bytes(
+        spec, largest_numel=largest_numel, largest_adapted_numel=largest_adapted_numel or largest_numel,
+        trainable=trainable, held_dtype_bytes=dtype_bytes(held_dtype) if held_dtype in ("float32", "bfloat16", "float16")
+        else 4, on_gpu=on_gpu)
     per_rank_export = steady_all + export_extra
     notes = [
         "per rank: the worker process (~600 MiB measured on CPU workers"

@@ -85,7 +85,7 @@ def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | 
 
     With ``training_path`` the plan is for that data (service/memory/data.py): its rows' longest
     tokenized length is the planned width, and ``at_max_seq_length`` is the bound beside it."""
-    from service.memory import planner
+    from service.memory import dpo, planner, rl
     from service.memory.data import data_shape
     from service.memory.gpus import get_gpu
     from service.memory.nodes import cluster_nodes
@@ -98,11 +98,24 @@ def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | 
     nodes = cluster_nodes(settings)  # the host-memory check per node (service/memory/host.py)
     data = data_shape(spec, training_path, settings.model_dirs, model_path)
     seq = data.planned_seq_length if data.measured else None
-    p = planner.plan(spec, resolved.shape, gpu, safety_margin=margin, seq_length=seq, padded=data.padded, nodes=nodes)
-    # rows filling max_seq_length: the worst case for any data
-    bound = p if seq is None else planner.plan(spec, resolved.shape, gpu, safety_margin=margin, nodes=nodes)
+    # DPO's plan composes the supervised one (service/memory/dpo.py: twice the rows, and its reference)
+    # and RL's (service/memory/rl.py: m × n rows, the sampler's KV cache, the reference)
+    plan_for = {"dpo": dpo.plan, "reinforcement": rl.plan}.get(spec.method.type, planner.plan)
+    p = plan_for(spec, resolved.shape, gpu, safety_margin=margin, seq_length=seq, padded=data.padded, nodes=nodes)
+    # rows filling max_seq_length: the worst case for any data (packed rows of several examples are masked)
+    bound = p if seq is None else plan_for(spec, resolved.shape, gpu, safety_margin=margin, nodes=nodes,
+                                           padded=spec.training.hyperparameters.packing)
+    # step by step: the run's worst step decides where its steps can be enumerated (service/memory/steps.py)
+    steps, worst = _steps(spec, resolved.shape, gpu, margin, nodes, data, training_path, settings, model_path)
+    if worst is not None:
+        p, peak = worst, steps.peak
+        data = data.model_copy(update={"planned_seq_length": peak.width, "padded": peak.padded, "reason": (
+            f"{data.reason}; the run's worst step is step {peak.step} on rank {peak.rank}: rows of "
+            f"{', '.join(str(n) for n in sorted(peak.row_tokens, reverse=True))} tokens, padded to {peak.width}")})
     update: dict[str, Any] = {
         "model": ModelInfo(name=spec.model, source=resolved.source, **resolved.shape.to_dict()), "data": data}
+    if steps is not None:
+        update["steps"] = steps
     informative = p.gpu is None and spec.training.resources.host_memory_budget_bytes is None
     if informative:
         why = ("no GPU named and no host memory budget: the plan is informative (nothing to fit "
@@ -118,12 +131,29 @@ def _plan(spec: JobSpec, settings: Settings, gpu: str | None, model_path: str | 
         per_rank=bound.per_rank, activations_saved_bytes=bound.activations_saved_bytes)
     p = p.model_copy(update=update)
     changes = []
-    if not p.fits:
+    if not p.fits and spec.method.type == "reinforcement":  # the knobs RL users turn
+        changes = [c for c in rl.suggestions(spec, resolved.shape, gpu, safety_margin=margin, seq_length=seq, nodes=nodes)
+                   if c.plan.fits and not check_rules(c.spec)][:MAX_SUGGESTIONS]
+    if not p.fits and spec.method.type == "supervised":  # the planner's changes are a supervised job's
         changes = [s for s in planner.suggest(spec, resolved.shape, gpu, safety_margin=margin, limit=12, seq_length=seq,
                                                   padded=data.padded, nodes=nodes)
                    if s.plan.fits and not check_rules(s.spec)][:MAX_SUGGESTIONS]
     p.suggestions = [_suggestion(i + 1, spec, c) for i, c in enumerate(changes)]
     return p, changes
+
+
+def _steps(spec: JobSpec, shape, gpu: str | None, margin: float, nodes, data, training_path: str | None,
+           settings: Settings, model_path: str | None):
+    """(the run's StepsPlan, the plan of its worst micro-batch) for a job whose data was measured; (None, None)
+    without data, and (a StepsPlan saying why, None) for a run the planner does not enumerate."""
+    from service.memory.data import training_rows
+    from service.memory.steps import StepPlanner, predict_run
+
+    if not data.measured or not training_path or spec.method.type != "supervised":
+        return None, None
+    rows, examples = training_rows(spec, training_path, settings.model_dirs, model_path)
+    masked = spec.training.hyperparameters.packing and data.padded  # packed rows of several examples
+    return predict_run(StepPlanner(spec, shape, gpu, margin, nodes), rows, examples, masked=masked)
 
 
 def _suggestion(rank: int, spec: JobSpec, c) -> Suggestion:
@@ -191,6 +221,25 @@ class PreflightOutcome:
     applied: dict[str, Any] | None = None  # auto: the suggestion applied
 
 
+def nvme_problems(spec: JobSpec, plan) -> None:
+    """ZeRO-Infinity's offload to a local disk, refused (422) where DeepSpeed's async_io op cannot build, or where
+    the disk at nvme_path cannot hold what the node's ranks swap to it (service/memory/nvme.py)."""
+    from service.domain.errors import SpecInvalid
+    from service.memory import nvme
+
+    if not nvme.wanted(spec):
+        return
+    problem = nvme.async_io_problem()
+    if problem:
+        field = "offload_optimizer" if spec.training.deepspeed.offload_optimizer == "nvme" else "offload_param"
+        raise SpecInvalid([{"param": f"training.deepspeed.{field}", "message": problem, "code": "nvme_unavailable"}])
+    disk = plan.disk
+    if disk is not None and disk.fits is False:
+        raise SpecInvalid([{"param": "training.deepspeed.nvme_path", "code": "insufficient_disk", "message": (
+            f"offload to nvme writes {gib(disk.node_bytes)} per node ({disk.ranks_on_node} rank(s) × "
+            f"{gib(disk.per_rank_bytes)}) under {disk.path}, which has {gib(disk.free_bytes)} free")}])
+
+
 def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = None,
               training_path: str | None = None) -> PreflightOutcome:
     """Apply ``training.memory_policy`` to the plan of ``spec`` (see the module docstring); with
@@ -205,12 +254,15 @@ def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = Non
         raise SpecInvalid([{"param": "training.resources.gpu_type", "message": str(exc),
                             "code": "invalid_value"}]) from None
     except UnknownModelShape as exc:
+        _size_unknown(spec, settings, exc)  # a hub model of unknown size is refused under a size cap
         return PreflightOutcome(spec, None, [{
             "message": f"memory pre-flight: {exc}; memory will be measured in the worker, not predicted",
             "level": "warn", "data": {"memory_preflight": "unknown_model_shape"}}])
+    _size_cap(plan, settings)
     problem = peft_family_problem(plan.model.family, spec.training.peft.method.value) if plan.model else None
     if problem:
         raise SpecInvalid([{"param": "training.peft.method", "message": problem, "code": "unsupported_peft_method"}])
+    nvme_problems(spec, plan)
     stored = plan.model_dump(mode="json")  # what jobs.plan keeps
     if plan.fits:
         return PreflightOutcome(spec, stored)
@@ -237,3 +289,44 @@ def preflight(spec: JobSpec, settings: Settings, *, model_path: str | None = Non
         "data": {"memory_preflight": "auto", "applied": stored["suggestions"][0], "before_peak_bytes": plan.peak_bytes,
                  "after_peak_bytes": new_plan.peak_bytes}}], stored["suggestions"][0])
 
+
+
+# --- the model-size cap (MEMFIT_MAX_MODEL_BYTES) --------------------------------------------------
+
+BYTES_PER_STORED_PARAMETER = 2  # the 16-bit weights a checkpoint on the Hub (or a local folder) holds
+
+
+def _size_cap(plan, settings: Settings) -> None:
+    """Admission refuses a model whose weights would pass MEMFIT_MAX_MODEL_BYTES on the shared volume
+    (a download, a cached copy, a merged export): 422 ``model_too_large`` naming ``model``."""
+    from service.domain.errors import SpecInvalid
+
+    cap = settings.max_model_bytes
+    size = plan.parameter_count * BYTES_PER_STORED_PARAMETER
+    if cap and size > cap:
+        raise SpecInvalid([{"param": "model", "code": "model_too_large",
+                            "message": f"the model has {plan.parameter_count:,} parameters, about {gib(size)} of weights; "
+                                       f"the limit is {gib(cap)} (MEMFIT_MAX_MODEL_BYTES)"}])
+
+
+def _size_unknown(spec: JobSpec, settings: Settings, exc: Exception) -> None:
+    """A hub model whose shape (so size) cannot be read is not admitted while a size cap is set and
+    the jobs may download (HF_HUB_OFFLINE=0, as the scheduler passes it to them; unset is offline): it
+    would be downloaded onto the shared volume whatever its size. Offline, such a model fails in the
+    worker as ``model_unavailable`` without a download; presets and local folders (placed by the
+    operator under MEMFIT_MODEL_DIRS) keep the warning."""
+    import os
+
+    from service.domain.errors import SpecInvalid
+
+    downloads = os.environ.get("HF_HUB_OFFLINE", "1").strip().lower() in ("0", "false", "no", "off")
+    if not settings.max_model_bytes or not downloads:
+        return
+    try:
+        kind = resolve_model(spec.model, settings.model_dirs).kind
+    except ModelRefError:
+        return
+    if kind == "hub":
+        raise SpecInvalid([{"param": "model", "code": "model_size_unknown",
+                            "message": f"the size of {spec.model!r} cannot be read ({exc}); with MEMFIT_MAX_MODEL_BYTES set, "
+                                       "a hub model is admitted only once its config says how large it is"}])
