@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from workers.args import TrainArgs  # noqa: E402
+from service.ports import free_port as _free_port  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
+VALIDATION = str(EXAMPLES / "chat-validation.jsonl")
 pytestmark = pytest.mark.slow
 
 
@@ -35,29 +36,28 @@ def qwen2_dir():
 # --- gloo processes -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
+def _entry(rank: int, world: int, port: int, fn, args: tuple, nccl_like: bool = False) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))  # DeepSpeed reads them
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    backend = "gloo"
+    if nccl_like:  # tests/nccl_like.py: a collective on a host tensor is refused, as NCCL refuses it
+        from tests.nccl_like import install
+
+        backend = install()
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(fn, world: int, *args) -> None:
-    import torch.multiprocessing as mp
+def _spawn(fn, world: int, *args, nccl_like: bool = False) -> None:
+    from workers.local import start_processes
 
-    mp.start_processes(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
+    start_processes(_entry, (world, _free_port(), fn, args, nccl_like), world)
 
 
 def _sharded(model_dir: str, world: int):
@@ -225,7 +225,8 @@ def test_streamed_export_loads_and_matches_the_gathered_export(saved_at_2):
 def _args(tmp_path, **kw) -> TrainArgs:
     base = dict(job_id="ftjob-dcp", output_dir=str(tmp_path / "out"), training_path=str(EXAMPLES / "completion.jsonl"),
                 model="preset:tiny-llama", strategy="fsdp", learning_rate=1e-2, warmup_steps=2, micro_batch_size=4,
-                max_steps=6, checkpoint_every_steps=3, telemetry_every_steps=1, memory_trace_every_steps=1000)
+                max_steps=6, checkpoint_every_steps=3, eval_every_steps=3, telemetry_every_steps=1,
+                memory_trace_every_steps=1000)
     base.update(kw)
     return TrainArgs(**base)
 
@@ -240,11 +241,13 @@ def _train_worker(rank: int, world: int, args_dict: dict, resume_dir: str | None
     torch.save({"reports": env.reports, "artifacts": artifacts}, Path(out, f"rank{rank}.pt"))
 
 
-def _train(args: TrainArgs, world: int, tmp_path: Path, resume_dir: str | None = None) -> list[dict]:
-    """The strategy on ``world`` gloo processes (workers/local.py's run_local, with a resume folder)."""
+def _train(args: TrainArgs, world: int, tmp_path: Path, resume_dir: str | None = None,
+           nccl_like: bool = False) -> list[dict]:
+    """The strategy on ``world`` gloo processes (workers/local.py's run_local, with a resume folder), under the
+    NCCL-like backend when asked."""
     out = tmp_path / f"reports-{len(list(tmp_path.glob('reports-*')))}"
     out.mkdir()
-    _spawn(_train_worker, world, args.to_dict(), resume_dir, str(out))
+    _spawn(_train_worker, world, args.to_dict(), resume_dir, str(out), nccl_like=nccl_like)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -256,8 +259,10 @@ def _losses(result: dict) -> dict[int, float]:
 def test_fsdp_resumed_from_a_sharded_checkpoint_repeats_the_uninterrupted_losses(tmp_path, peft):
     import torch.distributed.checkpoint as dcp
 
-    args = _args(tmp_path, peft_method=peft)
-    first = _train(args, 2, tmp_path)
+    # under the NCCL-like backend, with an evaluation at each checkpoint: step, eval, checkpoint and export
+    args = _args(tmp_path, peft_method=peft, validation_path=VALIDATION)
+    first = _train(args, 2, tmp_path, nccl_like=True)
+    assert [r["step"] for r in first[0]["reports"] if r.get("eval_loss")] == [3, 6]
     ckpt_dir = Path(args.output_dir) / "checkpoints" / "step-3"
     assert (ckpt_dir / "dcp" / "__1_0.distcp").is_file() and not (ckpt_dir / "state.pt").exists()
     saved = dcp.FileSystemReader(str(ckpt_dir / "dcp")).read_metadata().state_dict_metadata
@@ -280,8 +285,9 @@ def test_deepspeed_each_rank_writes_its_own_partition_and_resumes(tmp_path, stag
     """DeepSpeed's own checkpoint: one optimizer-state file per rank (each rank reads back only its
     own: ``elastic_checkpoint`` stays off), the module from rank 0 (ZeRO-2) or per rank (ZeRO-3);
     resuming repeats the losses."""
-    args = _args(tmp_path, strategy="deepspeed", ds_stage=stage)
-    first = _train(args, 2, tmp_path)
+    args = _args(tmp_path, strategy="deepspeed", ds_stage=stage, validation_path=VALIDATION)
+    first = _train(args, 2, tmp_path, nccl_like=True)  # under the NCCL-like backend, evaluating at each checkpoint
+    assert [r["step"] for r in first[0]["reports"] if r.get("eval_loss")] == [3, 6]
     ckpt_dir = Path(args.output_dir) / "checkpoints" / "step-3"
     files = sorted(p.name for p in (ckpt_dir / "deepspeed" / "state").iterdir())
     # ZeRO-2: every rank holds the whole 16-bit module, rank 0 writes it; ZeRO-3: each rank its partition.

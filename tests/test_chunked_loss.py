@@ -13,6 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+pytestmark = pytest.mark.slow  # trains or fuzzes: not in `make test-fast`
+
 from service.domain.errors import SpecInvalid  # noqa: E402
 from service.domain.spec import JobSpec, SpecError, validate_spec  # noqa: E402
 from service.memory.planner import plan  # noqa: E402
@@ -152,11 +154,9 @@ def _train_both(rank: int, world: int, port: int, out: str) -> None:
 def test_chunked_loss_trains_as_the_plain_loss_under_ddp_fsdp2_and_deepspeed(tmp_path):
     """Loss and gradient norm of every step, chunked against plain: DDP fp32, FSDP2 bf16, ZeRO-3 with LoRA on
     tied embeddings. Step 1's gradient norm checks the gradients themselves; step 2 the update they made."""
-    import torch.multiprocessing as mp
+    from workers.local import _free_port, start_processes
 
-    from workers.local import _free_port
-
-    mp.start_processes(_train_both, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    start_processes(_train_both, (2, _free_port(), str(tmp_path)), 2)
     results = torch.load(tmp_path / "rank0.pt", weights_only=False)
     for case, (plain, chunked) in zip(STRATEGY_CASES, results):
         assert len(plain) == len(chunked) == 2, case

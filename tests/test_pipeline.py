@@ -1,6 +1,8 @@
 """Pipeline parallelism (workers/strategies/pipeline.py) on gloo processes: the same update as DDP
 over the same global batch (both schedules, tied and untied embeddings, dp × pp), LoRA, resume from
 the per-stage checkpoint, and an export that from_pretrained loads with the trained model's logits.
+The dp × pp, LoRA and checkpointed runs run under the NCCL-like backend (tests/nccl_like.py: a collective
+on a host tensor is refused, as NCCL refuses it): step, eval, checkpoint and export.
 The HTTP and Ray path is tests/test_e2e.py -k pipeline."""
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+pytestmark = pytest.mark.slow  # trains or fuzzes: not in `make test-fast`
+
 from service.domain.training import in_flight_microbatches, stage_layers  # noqa: E402
 from workers.args import TrainArgs  # noqa: E402
 from workers.local import run_local  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
+NCCL_LIKE = "tests.nccl_like:install"  # tests/nccl_like.py: refuses collectives on host tensors, as NCCL does
+VALIDATION = str(EXAMPLES / "chat-validation.jsonl")
 
 
 def _args(out: Path, **kw) -> TrainArgs:
@@ -61,14 +67,15 @@ def test_pipeline_trains_exactly_as_ddp(tmp_path, model, schedule):
 def test_two_replicas_of_a_two_stage_pipeline_match_ddp_on_two_ranks(tmp_path):
     """A 2 × 2 mesh (dp × pp): the replicas sum their gradients per stage, as DDP's two ranks do."""
     ddp = _losses(run_local(_args(tmp_path / "ddp", model="preset:tiny-gpt2", micro_batch_size=2), world_size=2))
-    pp = _losses(run_local(_pipeline(tmp_path / "pp", model="preset:tiny-gpt2", micro_batch_size=2), world_size=4))
+    pp = _losses(run_local(_pipeline(tmp_path / "pp", model="preset:tiny-gpt2", micro_batch_size=2), world_size=4,
+                           worker_setup=NCCL_LIKE))
     assert pp == pytest.approx(ddp, rel=1e-5)
 
 
 def test_lora_with_checkpointing_matches_ddp_and_exports_an_adapter(tmp_path):
     kw = dict(peft_method="lora", gradient_checkpointing=True, learning_rate=5e-2)
     ddp = _losses(run_local(_args(tmp_path / "ddp", **kw), world_size=1))
-    ranks = run_local(_pipeline(tmp_path / "pp", **kw), world_size=2)
+    ranks = run_local(_pipeline(tmp_path / "pp", **kw), world_size=2, worker_setup=NCCL_LIKE)
     assert _losses(ranks) == pytest.approx(ddp, rel=1e-5)
     assert ranks[0]["artifacts"] == {"adapter": "adapter", "merged": "merged"}
     assert (tmp_path / "pp" / "adapter" / "adapter_model.safetensors").is_file()
@@ -81,7 +88,13 @@ def test_bf16_pipeline_trains(tmp_path):
 
 def test_resume_from_the_per_stage_checkpoint_repeats_the_uninterrupted_run(tmp_path):
     full = _losses(run_local(_pipeline(tmp_path / "full", max_steps=6), world_size=2))
-    first = run_local(_pipeline(tmp_path / "first", max_steps=6, checkpoint_every_steps=3), world_size=2)
+    # under the NCCL-like backend, with a validation file: every collective of the step, the evaluation, the
+    # checkpoint and the export on the worker's device
+    first = run_local(_pipeline(tmp_path / "first", max_steps=6, checkpoint_every_steps=3, eval_every_steps=3,
+                                 validation_path=VALIDATION),
+                      world_size=2, worker_setup=NCCL_LIKE)
+    evals = [r["eval_loss"] for r in first[0]["reports"] if r.get("kind") == "metrics" and "eval_loss" in r]
+    assert len(evals) == 2 and all(e > 0 for e in evals)  # at the checkpoints of steps 3 and 6
     step3 = tmp_path / "first" / "checkpoints" / "step-3"
     assert sorted(p.name for p in (step3 / "pipeline").iterdir()) == ["stage-0.pt", "stage-1.pt"]
     resumed = run_local(_pipeline(tmp_path / "resumed", max_steps=6), world_size=2, resume_dir=str(step3))

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # trains or starts servers: not in `make test-fast`
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
+NCCL_LIKE = "tests.nccl_like:install"  # tests/nccl_like.py: refuses collectives on host tensors, as NCCL does
 
 
 # --- admission and the planner's shards (no torch) ------------------------------------------------
@@ -112,7 +115,8 @@ def test_tensor_parallel_trains_exactly_as_one_process(tmp_path, run_local, mode
     GPT-2's fused c_attn is regrouped so each rank's share is its own heads' q, k and v: its export
     puts the columns back, and loads with the single process's logits."""
     one_ranks = run_local(_args(tmp_path / "one", model=model), world_size=1)
-    tp_ranks = run_local(_tensor(tmp_path / "tp", model=model), world_size=2)
+    # under the NCCL-like backend: DTensor's functional collectives, the vocabulary-parallel loss, the export's gathers
+    tp_ranks = run_local(_tensor(tmp_path / "tp", model=model), world_size=2, worker_setup=NCCL_LIKE)
     one, tp = _losses(one_ranks), _losses(tp_ranks)
     assert len(tp) == 4 and tp[-1] < tp[0]
     assert tp == pytest.approx(one, rel=1e-5)
@@ -182,14 +186,13 @@ def test_the_vocabulary_is_split_and_its_logits_never_gathered(tmp_path):
     and no collective of the step gathers anything: cross-entropy and its backward reduce over the
     group under loss_parallel (without it, F.cross_entropy would all-gather the logits to replicate them)."""
     torch = pytest.importorskip("torch")
-    import torch.multiprocessing as mp
 
-    from workers.local import _free_port
+    from workers.local import _free_port, start_processes
     from workers.models import build_preset
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     build_preset("preset:tiny-gpt2")
-    mp.start_processes(_vocab_step, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    start_processes(_vocab_step, (2, _free_port(), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
         assert r["logits_global"] == (2, 16, 512) and r["logits_local"] == (2, 16, 256)
@@ -210,7 +213,12 @@ def test_gpt2_lora_on_the_fused_attention_matches_ddp_and_merges_in_order(tmp_pa
     # then initialises lora_A, and only DDP's run would be the one to build it on a cold cache
     build_preset("preset:tiny-gpt2")
     kw = dict(model="preset:tiny-gpt2", peft_method="lora", learning_rate=1e-2, peft_targets=["c_attn", "c_proj", "c_fc"])
-    ddp = _losses(run_local(_args(tmp_path / "ddp", micro_batch_size=2, **kw), world_size=2))
+    # DDP on two ranks under the NCCL-like backend, with an evaluation and a checkpoint: its step's, eval's,
+    # checkpoint's and export's collectives on the worker's device
+    ddp_ranks = run_local(_args(tmp_path / "ddp", micro_batch_size=2, validation_path=str(EXAMPLES / "chat-validation.jsonl"),
+                                checkpoint_every_steps=2, eval_every_steps=2, **kw), world_size=2, worker_setup=NCCL_LIKE)
+    assert [r["step"] for r in ddp_ranks[0]["reports"] if r.get("eval_loss")] == [2, 4]
+    ddp = _losses(ddp_ranks)
     ranks = run_local(_tensor(tmp_path / "tp", **kw), world_size=2)
     assert _losses(ranks) == pytest.approx(ddp, rel=1e-5)
     ids = torch.arange(1, 33).unsqueeze(0)
@@ -252,8 +260,8 @@ def test_attention_dropout_draws_per_rank_masks_and_leaves_the_shared_stream_in_
 def test_lora_with_checkpointing_matches_ddp_and_exports_an_adapter(tmp_path, run_local):
     kw = dict(peft_method="lora", gradient_checkpointing=True, learning_rate=5e-2,
               peft_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    # against DDP on two spawned ranks (the same global batch): an in-process run's lora_A starts from
-    # another RNG state when it is the one that builds the preset, which spawned runs never are
+    # against DDP on two ranks (the same global batch); whichever process builds the preset, every run's lora_A
+    # starts from the same RNG state (workers/models.py forks the RNG for the build)
     ddp = _losses(run_local(_args(tmp_path / "ddp", micro_batch_size=2, **kw), world_size=2))
     ranks = run_local(_tensor(tmp_path / "tp", **kw), world_size=2)
     assert _losses(ranks) == pytest.approx(ddp, rel=1e-5)
@@ -269,7 +277,11 @@ def test_bf16_tensor_parallel_trains(tmp_path, run_local):
 def test_resume_from_the_sharded_checkpoint_repeats_the_uninterrupted_run(tmp_path, run_local):
     kw = dict(peft_method="lora", max_steps=6, learning_rate=5e-2)
     full = _losses(run_local(_tensor(tmp_path / "full", **kw), world_size=2))
-    first = run_local(_tensor(tmp_path / "first", checkpoint_every_steps=3, **kw), world_size=2)
+    # under the NCCL-like backend, with an evaluation at each checkpoint
+    first = run_local(_tensor(tmp_path / "first", checkpoint_every_steps=3, eval_every_steps=3,
+                              validation_path=str(EXAMPLES / "chat-validation.jsonl"), **kw),
+                      world_size=2, worker_setup=NCCL_LIKE)
+    assert [r["step"] for r in first[0]["reports"] if r.get("eval_loss")] == [3, 6]
     step3 = tmp_path / "first" / "checkpoints" / "step-3"
     assert (step3 / "dcp" / ".metadata").is_file()
     resumed = run_local(_tensor(tmp_path / "resumed", **kw), world_size=2, resume_dir=str(step3))

@@ -16,51 +16,38 @@ The data position is the step itself: the sampler is a pure function of the step
 A full storage volume never leaves something half-written that looks finished: a checkpoint upload
 that hits ENOSPC removes its folder (:func:`persist_checkpoint`, so Ray never registers it and the
 artifacts routes never list it), and each exported folder is written under a hidden ``.<name>.part``
-name and renamed into place whole (:func:`_publish_folder`). Both raise :class:`StorageFullError`,
+name and renamed into place whole (workers/storage.py :func:`publish_folder`). Both raise :class:`StorageFullError`,
 naming what was being written and where; workers/run.py turns it into the job's ``storage_full``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import random
-import shutil
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from service.domain.errors import find_storage_full, is_storage_full
+from service.domain.disk import folder_bytes
+from service.domain.errors import is_storage_full
 from workers.args import TrainArgs
+from workers.storage import StorageFullError, check_storage_budget, publish_folder as _publish_folder  # noqa: F401 - imported from here too
 
 DS_TAG = "state"
 
 
-class StorageFullError(OSError):
-    """No space left on the storage volume for ``what``; ``str()`` names it and the path. An OSError
-    with errno ENOSPC, so that it survives pickling through Ray and reads as one everywhere."""
-
-    phase: str | None = None  # "checkpoint" or "export"
-
-    @classmethod
-    def writing(cls, what: str, path: str | Path, cause: BaseException, phase: str) -> "StorageFullError":
-        detail = " ".join(str(cause).split())[:300]
-        exc = cls(errno.ENOSPC, f"no space left on the storage volume while writing {what} to {path} ({detail})",
-                  str(path))
-        exc.phase = phase
-        return exc
-
-
 def persist_checkpoint(checkpoint, dir_name: str):
-    """``ray.train.report``'s ``checkpoint_upload_fn``: Ray's own upload, except that a full storage
-    volume leaves no partial checkpoint folder behind (every rank uploads into the same folder; the
-    first to fail removes it) and raises StorageFullError naming it."""
+    """``ray.train.report``'s ``checkpoint_upload_fn``: Ray's own upload, except that it is refused
+    before a byte is written when the tenant's storage quota has no room for it (StorageQuotaError),
+    and a full storage volume leaves no partial checkpoint folder behind (every rank uploads into the
+    same folder; the first to fail removes it) and raises StorageFullError naming it."""
     import ray.train
 
     storage = ray.train.get_context().get_storage()
+    check_storage_budget(f"checkpoint {dir_name}", folder_bytes(Path(checkpoint.path)),
+                         os.environ.get("MEMFIT_ATTEMPT_DIR"), "checkpoint", storage.build_checkpoint_path_from_name(dir_name))
     try:
         return storage.persist_current_checkpoint(checkpoint, dir_name)
     except OSError as exc:
@@ -81,6 +68,37 @@ def read_meta(d: str) -> dict:
     return json.loads(Path(d, "meta.json").read_text())
 
 
+def safe_load(path: str | Path, map_location="cpu", allow: tuple = ()):
+    """Every checkpoint file memfit reads back goes through here: ``torch.load(weights_only=True)``,
+    which unpickles tensors and plain containers (dicts, lists, tuples, numbers, strings) and refuses
+    anything else — a pickle that would import or call code raises ``UnpicklingError`` before it runs.
+    A checkpoint folder is shared storage a run wrote and the next attempt links in; what it holds is
+    data, never code. Model, optimizer, schedule and RNG state are all saved in forms this loads.
+    ``allow``: classes a library's own checkpoint holds by name (DeepSpeed's, below), allowed as data."""
+    if allow:
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def deepspeed_safe_globals() -> tuple:
+    """The classes DeepSpeed pickles into its checkpoints (the loss scaler, the ZeRO stage enum, the
+    fragment addresses of its parameter map): data classes, allowed by name and nothing else."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
+
+
+def load_deepspeed_safely(engine) -> None:
+    """DeepSpeed reads its checkpoint files through ``engine.checkpoint_engine.load`` with
+    ``weights_only=False``: make that read :func:`safe_load` (call before ``engine.load_checkpoint``)."""
+    allow = deepspeed_safe_globals()
+    engine.checkpoint_engine.load = lambda path, map_location=None: safe_load(
+        path, map_location=map_location or "cpu", allow=allow)
+
+
 def save_rng(d: str, rank: int) -> None:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -92,7 +110,7 @@ def load_rng(d: str, rank: int) -> None:
     path = Path(d, f"rng-rank{rank}.pt")
     if not path.exists():  # a checkpoint from a run with fewer ranks: keep the seeded state
         return
-    state = torch.load(path, weights_only=False)
+    state = safe_load(path)
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -186,7 +204,7 @@ def load_sharded_state(d: str, model, optimizer, scheduler, *, trainable_only: b
     dcp.load(state, storage_reader=dcp.FileSystemReader(Path(d, SHARDED_DIR)))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_sharded_options(trainable_only, strict=not trainable_only))
-    scheduler.load_state_dict(torch.load(Path(d, "scheduler.pt"), weights_only=False)["scheduler"])
+    scheduler.load_state_dict(safe_load(Path(d, "scheduler.pt"))["scheduler"])
 
 
 def save_full_state(d: str, model, optimizer, scheduler, *, rank: int, trainable_only: bool) -> None:
@@ -209,7 +227,7 @@ def save_full_state(d: str, model, optimizer, scheduler, *, rank: int, trainable
 
 def load_full_state(d: str, model, optimizer, scheduler, *, trainable_only: bool) -> None:
     """``state.pt``: every rank reads the full state (the storage is shared) and keeps its own shard of it."""
-    state = torch.load(Path(d, "state.pt"), map_location="cpu", weights_only=False)
+    state = safe_load(Path(d, "state.pt"))
     if _is_fsdp2(model):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -257,159 +275,62 @@ def quantized_from(args: TrainArgs):
 
 
 def export_artifacts(args: TrainArgs, state_dict: dict, model_dir: str, tokenizer) -> dict[str, str]:
-    """Rank 0: rebuild the model on CPU from the base, load the trained state and save it in
-    Hugging Face format — the adapter (+ merged model where the method allows) or the full model,
-    each with the tokenizer. Rebuilding keeps the export independent of how training sharded it.
-    After QAT, ``state_dict`` already holds the quantised weights (workers.strategies.qat.qat_export: scale
-    × int4 value per group in every quantised linear), so ``model/`` is a stock checkpoint of them."""
-    from workers.models import load_model
-    from workers.peft_setup import apply_peft, merge_adapter
+    """Rank 0: the Hugging Face folders users load, streamed (workers/export.py), in the base checkpoint's
+    dtype. PEFT: ``state_dict`` holds the trained adapter (small, gathered whole); the adapter folder and,
+    where the method merges, the merged model, each base tensor read from the checkpoint and merged as it is
+    written. A full fine-tune: ``state_dict`` holds the model's tensors whole (a tied weight once, as
+    ``save_pretrained`` keeps it), written one at a time. After QAT, ``state_dict`` holds the quantised weights
+    (workers.strategies.qat.qat_export: scale × int4 value per group in every quantised linear), so ``model/``
+    is a stock checkpoint of them."""
+    from workers.export import checkpoint_dtypes, export_peft, specs_for, write_folder
+    from workers.models import empty_model
+    from workers.weights import checkpoint_name, tied_duplicates
 
-    out = Path(args.output_dir)
-    fresh = load_model(model_dir, args.attention)
-    artifacts: dict[str, str] = {}
     if args.is_peft:
-        fresh = apply_peft(fresh, args.peft_method, r=args.peft_r, alpha=args.peft_alpha, dropout=args.peft_dropout,
-                           targets=args.peft_targets, num_virtual_tokens=args.peft_virtual_tokens)
-        trainable = {n for n, p in fresh.named_parameters() if p.requires_grad}
-        missing = trainable - set(state_dict)
-        if missing:
-            raise RuntimeError(f"trained state lacks adapter weights: {sorted(missing)[:5]}")
-        fresh.load_state_dict({k: v for k, v in state_dict.items() if k in trainable}, strict=False)
-        _publish_folder(out, "adapter", lambda d: (fresh.save_pretrained(d), tokenizer.save_pretrained(d)))
-        artifacts["adapter"] = "adapter"
-        if args.merges_adapter:
-            _publish_folder(out, "merged", lambda d: (
-                merge_adapter(model_dir, out / "adapter", d, attention=args.attention,
-                             quantized_from=quantized_from(args)), tokenizer.save_pretrained(d)))
-            artifacts["merged"] = "merged"
-    else:
-        fresh.load_state_dict(state_dict, strict=True)
-        _publish_folder(out, "model", lambda d: (fresh.save_pretrained(d), tokenizer.save_pretrained(d)))
-        artifacts["model"] = "model"
-    return artifacts
+        return export_peft(args, state_dict, model_dir, tokenizer, quantized_from(args))
+    # A tied weight under its second name is left out, as save_pretrained leaves it. Which names those are
+    # comes from the model as its config builds it (on the meta device): a gathered FSDP2 state dict holds
+    # separate CPU copies of a tied pair, so the tensors cannot tell.
+    tied = tied_duplicates(empty_model(model_dir))
+    state: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name, t in state_dict.items():
+        key = (t.data_ptr(), tuple(t.shape), t.dtype) if t.numel() else (name,)
+        if key in seen or checkpoint_name(name) in tied:
+            continue
+        seen.add(key)
+        state[checkpoint_name(name)] = t
+    dtypes = checkpoint_dtypes(model_dir)
+    return write_folder(Path(args.output_dir), "model", specs_for(state, dtypes), iter(state.items()), model_dir,
+                        tokenizer, dtypes, rank=0)
 
 
-EXPORT_SHARD_BYTES = 1 << 30  # one safetensors file of the streamed export: the most rank 0 holds at once
+def export_model(args: TrainArgs, model, model_dir: str, tokenizer, rank: int, *, restore=None, zero3: bool = False,
+                 max_shard_bytes: int | None = None) -> dict[str, str]:
+    """A full fine-tune's ``model/`` folder streamed from where the weights live, one tensor at a time, in the
+    base checkpoint's dtype (workers/export.py): the rank's own module (DDP, ZeRO-0/1/2), a DTensor gathered
+    by every rank (FSDP2, tensor parallel), a ZeRO-3 parameter gathered alone (``zero3``). Rank 0 writes; no
+    rank holds more than one tensor beyond its own state. A collective: every rank calls it.
+    ``restore(name, tensor)``, where given, turns a gathered tensor back into the model's own layout (the
+    tensor strategy's regrouped GPT-2 c_attn)."""
+    from workers.export import (
+        EXPORT_SHARD_BYTES,
+        checkpoint_dtypes,
+        module_tensors,
+        specs_for,
+        unique_state,
+        write_folder,
+        zero3_tensors,
+    )
+
+    state = unique_state(unwrap(model))
+    dtypes = checkpoint_dtypes(model_dir)
+    tensors = zero3_tensors(state, rank) if zero3 else module_tensors(state, restore)
+    return write_folder(Path(args.output_dir), "model", specs_for(state, dtypes), tensors, model_dir, tokenizer,
+                        dtypes, rank, max_shard_bytes or EXPORT_SHARD_BYTES)
 
 
 def export_model_streamed(args: TrainArgs, model, model_dir: str, tokenizer, rank: int,
-                          max_shard_bytes: int = EXPORT_SHARD_BYTES, restore=None) -> dict[str, str]:
-    """FSDP2, full fine-tune: the ``model/`` folder gathered once and streamed to disk. Every rank
-    gathers one tensor at a time (``DTensor.full_tensor()``, a collective, in state-dict order);
-    rank 0 collects them into the next safetensors file and writes it when it reaches
-    ``max_shard_bytes``, so no process ever holds more than one file plus one tensor — not the model.
-    The files, their index and the config are what ``save_pretrained`` writes for the same weights
-    (fp32, tied weights once); ``from_pretrained`` loads the folder. A collective: every rank calls it.
-    ``restore(name, tensor)``, where given, turns a gathered tensor back into the model's own layout
-    (the tensor strategy's regrouped GPT-2 c_attn)."""
-    tensors = _export_tensors(model)
-    shards = _plan_shards(tensors, max_shard_bytes)
-
-    def gather_and_write(d: Path | None) -> None:
-        weight_map: dict[str, str] = {}
-        for i, names in enumerate(shards):
-            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            shard: dict[str, torch.Tensor] = {}
-            for name in names:
-                full = _full_tensor(tensors[name])  # every rank: the all-gather of this one tensor
-                if d is not None:
-                    shard[name] = restore(name, full) if restore else full
-                    weight_map[name] = fname
-                del full
-            if d is not None:
-                from safetensors.torch import save_file
-
-                save_file(shard, str(d / fname), metadata={"format": "pt"})
-            shard.clear()
-        if d is None:
-            return
-        if len(shards) > 1:
-            total = sum(_export_bytes(t) for t in tensors.values())
-            Path(d, "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-        _write_model_config(model_dir, d)
-        tokenizer.save_pretrained(d)
-
-    if rank == 0:
-        _publish_folder(Path(args.output_dir), "model", gather_and_write)
-        return {"model": "model"}
-    gather_and_write(None)
-    return {}
-
-
-def _export_tensors(model) -> dict[str, torch.Tensor]:
-    """The model's state dict as saved to Hugging Face files: DTensor shards (not gathered) and
-    replicated buffers under their FQNs; a tied weight (one Parameter under two names) once, under
-    its first name — the one ``save_pretrained`` keeps (``model.embed_tokens.weight``, not ``lm_head``)."""
-    seen: set[int] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        out[name] = t
-    return out
-
-
-def _export_dtype(t: torch.Tensor) -> torch.dtype:
-    # The export holds fp32 floats, like the model export_artifacts rebuilds (load_model is fp32).
-    return torch.float32 if t.is_floating_point() else t.dtype
-
-
-def _export_bytes(t: torch.Tensor) -> int:
-    return t.numel() * torch.empty((), dtype=_export_dtype(t)).element_size()  # global numel for a DTensor
-
-
-def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    """Names per file, in order, each file at most ``max_shard_bytes`` (a larger tensor gets its own),
-    from the global shapes alone — so every rank knows the plan before gathering anything."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, t in tensors.items():
-        b = _export_bytes(t)
-        if shards[-1] and size + b > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += b
-    return shards
-
-
-def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    full = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return full.detach().to("cpu", dtype=_export_dtype(full)).contiguous()
-
-
-def _write_model_config(model_dir: str, d: Path) -> None:
-    """The base's config (and generation config) as the rebuilt fp32 model would save them."""
-    from transformers import AutoConfig, GenerationConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.dtype = torch.float32
-    config.save_pretrained(d)
-    try:
-        generation = GenerationConfig.from_pretrained(model_dir)
-    except OSError:  # the base has none: derive it as save_pretrained does
-        generation = GenerationConfig.from_model_config(config)
-    generation.save_pretrained(d)
-
-
-def _publish_folder(out: Path, name: str, write: Callable[[Path], object]) -> Path:
-    """``write`` the folder ``out/name`` under the hidden name ``.name.part`` (which the artifacts
-    routes never serve), then rename it into place; on any failure the partial folder is removed, and
-    a full volume raises StorageFullError naming the folder."""
-    final, partial = out / name, out / f".{name}.part"
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        partial.mkdir(parents=True)
-        write(partial)
-        if final.exists():  # a re-export (a resumed run that finished before): replace it whole
-            shutil.rmtree(final)
-        os.replace(partial, final)
-    except BaseException as exc:
-        shutil.rmtree(partial, ignore_errors=True)
-        if find_storage_full(exc) is not None:
-            raise StorageFullError.writing(f"the final {name} folder", final, exc, "export") from exc
-        raise
-    return final
+                          max_shard_bytes: int | None = None, restore=None) -> dict[str, str]:
+    """FSDP2 and tensor parallel, full fine-tune: :func:`export_model` (its DTensors gathered one at a time)."""
+    return export_model(args, model, model_dir, tokenizer, rank, restore=restore, max_shard_bytes=max_shard_bytes)

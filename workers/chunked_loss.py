@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,8 @@ class LossTarget:
 
     labels: torch.Tensor  # (batch, tokens), -100 where no label
     chunked: bool = False
+    # chunk start → label positions whose argmax logit is the label (mean token accuracy), counted in forward
+    tally: dict = field(default_factory=dict)
 
 
 _TARGET: contextvars.ContextVar[LossTarget | None] = contextvars.ContextVar("memfit_loss_target", default=None)
@@ -82,21 +84,27 @@ def install(model, chunk_tokens: int) -> torch.nn.Module:
         if target is None or args or kwargs:
             return plain(hidden, *args, **kwargs)
         target.chunked = True
-        return chunked_loss_sum(plain, hidden, target.labels, chunk_tokens)
+        return chunked_loss_sum(plain, hidden, target.labels, chunk_tokens, tally=target.tally)
 
     head.forward = forward
     head.memfit_loss_chunk_tokens = chunk_tokens
     return head
 
 
-def _chunk_loss(head_forward, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head_forward(hidden).float(), labels, ignore_index=-100, reduction="sum")
+def _chunk_loss(head_forward, hidden: torch.Tensor, labels: torch.Tensor, tally: dict | None = None,
+                key: int = 0) -> torch.Tensor:
+    logits = head_forward(hidden).float()
+    if tally is not None and key not in tally:  # in forward only: backward's recomputation finds it counted
+        with torch.no_grad():
+            tally[key] = ((logits.argmax(-1) == labels) & (labels != -100)).sum()
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 
-def chunked_loss_sum(head_forward, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+def chunked_loss_sum(head_forward, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                     tally: dict | None = None) -> torch.Tensor:
     """Σ over label tokens of the fp32 cross-entropy of ``head_forward(hidden)``, ``chunk_tokens`` rows
     of ``hidden`` at a time. Prompt tuning prepends virtual tokens: only the last len(labels)
-    positions predict a label."""
+    positions predict a label. ``tally`` collects each chunk's count of correct argmax predictions."""
     if hidden.shape[1] > labels.shape[1]:
         hidden = hidden[:, -labels.shape[1]:]
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -106,8 +114,8 @@ def chunked_loss_sum(head_forward, hidden: torch.Tensor, labels: torch.Tensor, c
     for start in range(0, flat.shape[0], chunk_tokens):
         h, y = flat[start:start + chunk_tokens], targets[start:start + chunk_tokens]
         if recompute:  # keep only h (a view of the hidden states); backward recomputes the logits
-            part = checkpoint(_chunk_loss, head_forward, h, y, use_reentrant=False)
+            part = checkpoint(_chunk_loss, head_forward, h, y, tally, start, use_reentrant=False)
         else:  # evaluation: nothing is kept anyway
-            part = _chunk_loss(head_forward, h, y)
+            part = _chunk_loss(head_forward, h, y, tally, start)
         total = part if total is None else total + part
     return total

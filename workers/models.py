@@ -29,7 +29,7 @@ from service.domain.presets import (
 from workers.published import publish_once
 
 # Bumped whenever _write_preset changes what it writes, so that old cache entries are not reused.
-PRESET_BUILD_VERSION = 2
+PRESET_BUILD_VERSION = 3  # 3: the default chat template renders tools and tool calls
 
 
 class ModelSourceError(RuntimeError):
@@ -83,8 +83,11 @@ def _write_preset(cfg: dict, out: Path) -> None:
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
-    torch.manual_seed(0)
-    net = AutoModelForCausalLM.from_config(config)
+    # Seeded, and on a forked RNG: the process that builds the preset (a job's rank, a test) draws its own random
+    # numbers afterwards (a LoRA's initial A, dropout) exactly as a process that found it built does.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = AutoModelForCausalLM.from_config(config)
     # transformers 5's save_pretrained writes nothing but the folder on a process whose
     # torch.distributed rank is not 0 (PreTrainedModel.should_save_on_this_rank), and a Ray Train
     # worker has its process group up before it builds the preset: the rank that won the build would
@@ -125,6 +128,26 @@ def resolve_model_dir(model: str, model_path: str | None = None) -> str:
                 "download it on a machine with network access or give a local directory"
             ) from None
     return ref.hub_id
+
+
+def local_model_dir(model_dir: str) -> str:
+    """A local directory for what ``resolve_model_dir`` gave: itself, or a hub id's snapshot in the Hugging
+    Face cache, downloaded once per node (the workers read the weights files themselves: workers/weights.py)."""
+    if Path(model_dir).is_dir():
+        return model_dir
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model_dir, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                            "*.tiktoken", "*.py"])
+    except Exception as exc:  # noqa: BLE001 - offline, gated, missing …
+        raise ModelSourceError(f"model {model_dir!r}: its files could not be fetched from the Hugging Face Hub: "
+                               f"{_why(exc)}") from None
+
+
+def has_safetensors(model_dir: str) -> bool:
+    d = Path(model_dir)
+    return (d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()
 
 
 def check_model(model: str, model_path: str | None = None) -> str:
@@ -220,6 +243,39 @@ def load_tokenizer(model_dir: str):
     return tok
 
 
+def empty_model(model_dir: str, attention: str = "sdpa", dtype=None, *, zero3_config: dict | None = None):
+    """The model of ``model_dir``'s config, without its weights: its parameters on the meta device (no memory,
+    nothing initialised) in ``dtype`` (default fp32), its buffers real (what the model computes when it is
+    built: rotary frequencies); or, with ``zero3_config`` (a DeepSpeed config), built under
+    ``deepspeed.zero.Init``, each parameter partitioned over the ranks as it is made and left uninitialised.
+    workers/weights.py then reads the weights each rank holds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(f"cannot load model {model_dir!r}: {exc}") from None
+    dtype = dtype or torch.float32
+    if zero3_config is not None:
+        import deepspeed
+
+        # the config's bf16/fp16 mode gives zero.Init its dtype (an explicit dtype= is ignored on a CPU accelerator:
+        # partition_parameters.py _set_dtype takes bf16 there whatever it is given)
+        with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=zero3_config):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+    else:
+        from accelerate import init_empty_weights
+
+        with no_init_weights(), init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+    # no_init_weights skips PreTrainedModel.init_weights, which is where a model ties its LM head to its
+    # embedding: tie them, one Parameter as from_pretrained's model has
+    model.tie_weights()
+    return model
+
+
 def load_model(model_dir: str, attention: str = "sdpa", dtype=None):
     """The model in fp32 (mixed precision is autocast, not a weight dtype) unless ``dtype`` says."""
     import torch
@@ -236,4 +292,12 @@ def load_model(model_dir: str, attention: str = "sdpa", dtype=None):
 
 def hidden_size(model) -> int:
     cfg = model.config
-    return int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd"))
+    return int(getattr(cfg, "hidden_size", None) or cfg.n_embd)
+
+
+def config_hidden_size(model_dir: str) -> int:
+    """The hidden width from the model's config.json, before the model exists."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    return int(getattr(cfg, "hidden_size", None) or cfg.n_embd)

@@ -3,22 +3,30 @@ ranks by DeepSpeed's engine, optionally offloaded to host memory."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from service.domain.training import DeepSpeedBuckets, Regime, deepspeed_buckets
+from service.domain.training import (
+    NVME_AIO,
+    NVME_OPTIMIZER_BUFFERS,
+    NVME_PARAM_BUFFERS,
+    NVME_SUB_GROUP_ELEMENTS,
+    DeepSpeedBuckets,
+    Regime,
+    deepspeed_buckets,
+    nvme_param_buffer_elements,
+)
 from workers import checkpoint as ckpt
 from workers.args import TrainArgs
-from workers.data import step_batches
-from workers.models import hidden_size
+from workers.models import config_hidden_size, hidden_size  # noqa: F401 - hidden_size for DPO's copy
 from workers.steps import (
     OOM_ERRORS,
     Progress,
     WorkerEnv,
-    accumulate_gradients,
     make_telemetry,
     warmup_cosine,
     write_failure,
@@ -26,19 +34,24 @@ from workers.steps import (
 from workers.strategies.common import (
     barrier,
     build_model,
-    evaluate,
     finish_step,
+    load_phase,
+    load_report,
+    materialize,
     prepare,
     report_result,
+    step_fns,
     training_regime,
 )
 
 
 def deepspeed_config(*, stage: int, micro_batch_size: int, accumulation: int, world_size: int, lr: float,
                      weight_decay: float, max_grad_norm: float | None, regime: Regime, offload_optimizer: str,
-                     offload_param: str, buckets: DeepSpeedBuckets, on_cpu: bool) -> dict:
+                     offload_param: str, buckets: DeepSpeedBuckets, on_cpu: bool, nvme_path: str | None = None,
+                     largest_param_numel: int = 0) -> dict:
     """DeepSpeed's JSON config, its buffers and 16-bit mode the ones the planner counts
-    (service/domain/training.py)."""
+    (service/domain/training.py). ``nvme``: ZeRO-Infinity's offload to files under ``nvme_path``, through the
+    swap buffers and sub-groups the planner counts (service/memory/nvme.py)."""
     zero: dict = {"stage": stage, "reduce_bucket_size": buckets.reduce_elements,
                   "allgather_bucket_size": buckets.allgather_elements}
     if stage == 3:
@@ -50,6 +63,14 @@ def deepspeed_config(*, stage: int, micro_batch_size: int, accumulation: int, wo
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if offload_param == "cpu":
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    if offload_optimizer == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin,
+                                     "buffer_count": NVME_OPTIMIZER_BUFFERS}
+        zero["sub_group_size"] = NVME_SUB_GROUP_ELEMENTS
+    if offload_param == "nvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin,
+                                 "buffer_count": NVME_PARAM_BUFFERS,
+                                 "buffer_size": nvme_param_buffer_elements(largest_param_numel)}
     adam = {"lr": lr, "weight_decay": weight_decay, "betas": [0.9, 0.999], "eps": 1e-8}
     if on_cpu:
         # DeepSpeed's FusedAdam/CPUAdam JIT-compile C++ for minutes; torch's AdamW needs nothing.
@@ -67,9 +88,65 @@ def deepspeed_config(*, stage: int, micro_batch_size: int, accumulation: int, wo
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if on_cpu and offload_optimizer == "cpu":
+    if on_cpu and offload_optimizer in ("cpu", "nvme"):
         config["zero_force_ds_cpu_optimizer"] = False  # let the torch AdamW run on the offloaded states
+    if "nvme" in (offload_optimizer, offload_param):
+        config["aio"] = dict(NVME_AIO)
     return config
+
+
+def nvme_dir(root: str, job_id: str) -> str:
+    """Where a job's ranks swap to: a folder of the job's under the spec's nvme_path, removed when it ends."""
+    return str(Path(root) / "memfit" / job_id)
+
+
+def check_async_io() -> None:
+    """DeepSpeed's async_io op (ZeRO-Infinity's swap) must build here: say why not before anything runs."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise RuntimeError("training.deepspeed: offload to nvme needs DeepSpeed's async_io op, which cannot build on "
+                           "this worker (libaio's library and headers — libaio-dev — and a C++ compiler are needed)")
+
+
+def largest_param_numel(model_dir: str) -> int:
+    """The largest tensor of the checkpoint (an nvme swap buffer must hold any parameter whole)."""
+    from workers.weights import Checkpoint
+
+    with Checkpoint(model_dir) as ckpt:
+        return max((e.numel for e in ckpt.entries.values()), default=0)
+
+
+def trained_state(module, rank: int, zero3: bool) -> dict[str, torch.Tensor]:
+    """The trained (adapter) tensors whole on rank 0: under ZeRO-3 each gathered alone (a collective), else
+    the module's own."""
+    import deepspeed
+
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if zero3 and getattr(p, "ds_tensor", None) is not None:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                if rank == 0:
+                    out[name] = p.detach().to("cpu", copy=True)
+        elif rank == 0:
+            out[name] = p.detach().to("cpu", copy=True)
+    return out
+
+
+def export_deepspeed(args: TrainArgs, env: WorkerEnv, module, model_dir: str, tokenizer) -> dict:
+    """PEFT: the adapter gathered (small) and exported by rank 0, its merge streamed from the base's files;
+    a full fine-tune streamed tensor by tensor — under ZeRO-3 each parameter gathered alone (never
+    ``_zero3_consolidated_16bit_state_dict``, which gathers the whole model on rank 0), under ZeRO-0/1/2 from
+    rank 0's own module (workers/export.py)."""
+    zero3 = args.ds_stage == 3
+    if args.is_peft:
+        state = trained_state(module, env.rank, zero3)
+        return ckpt.export_artifacts(args, state, model_dir, tokenizer) if env.rank == 0 else {}
+    if zero3:
+        return ckpt.export_model(args, module, model_dir, tokenizer, env.rank, zero3=True)
+    return ckpt.export_model(args, module, model_dir, tokenizer, env.rank) if env.rank == 0 else {}
 
 
 def skip_shm_build() -> None:
@@ -83,26 +160,42 @@ def skip_shm_build() -> None:
 
 def train_deepspeed(args: TrainArgs, env: WorkerEnv) -> dict:
     s = prepare(args, env)
-    model = build_model(args, s.model_dir)
     on_cpu = env.device.type == "cpu"
     if on_cpu:
         skip_shm_build()
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
+    nvme = "nvme" in (args.ds_offload_optimizer, args.ds_offload_param)
+    if nvme:
+        check_async_io()
     config = deepspeed_config(
         stage=args.ds_stage, micro_batch_size=args.micro_batch_size, accumulation=args.accumulation,
         world_size=env.world_size, lr=args.learning_rate, weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm, regime=training_regime(args), offload_optimizer=args.ds_offload_optimizer,
-        offload_param=args.ds_offload_param, buckets=deepspeed_buckets(hidden_size(model), args.ds_reduce_bucket_elements),
-        on_cpu=on_cpu)
+        offload_param=args.ds_offload_param,
+        buckets=deepspeed_buckets(config_hidden_size(s.model_dir), args.ds_reduce_bucket_elements), on_cpu=on_cpu,
+        nvme_path=nvme_dir(args.ds_nvme_path, args.job_id) if nvme else None,
+        largest_param_numel=largest_param_numel(s.model_dir) if nvme else 0)
+    # ZeRO-3: built under deepspeed.zero.Init, each parameter partitioned as it is made, then each rank reads
+    # only its partitions (before deepspeed.initialize copies them into the fp32 masters). ZeRO-0/1/2: every
+    # rank holds the whole module, read straight into place in the 16-bit dtype DeepSpeed trains it in.
+    meter = load_phase(env)
+    with meter.measure("load", 0) as info:
+        model = build_model(args, s.model_dir, zero3_config=config if args.ds_stage == 3 else None, device=env.device)
+        if args.ds_stage == 3:
+            materialize(model, s.model_dir, env.device)
+        load_report(info, model)
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config,
         lr_scheduler=lambda opt: warmup_cosine(opt, args.warmup_steps, s.total_steps))
-    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at, events=s.notices if env.rank == 0 else [])
+    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at, events=s.notices if env.rank == 0 else [],
+                        phases=meter)
+    fns = step_fns(args, env, s, engine)  # supervised, or DPO with its reference (workers/dpo.py)
     start = 0
     with env.latest_checkpoint() as d:
         if d is not None:
+            ckpt.load_deepspeed_safely(engine)  # weights_only=True for DeepSpeed's own reads too
             engine.load_checkpoint(str(Path(d) / "deepspeed"), tag=ckpt.DS_TAG)
             ckpt.load_rng(d, env.rank)
             meta = ckpt.read_meta(d)
@@ -113,6 +206,7 @@ def train_deepspeed(args: TrainArgs, env: WorkerEnv) -> dict:
         engine.save_checkpoint(str(Path(d) / "deepspeed"), tag=ckpt.DS_TAG, save_latest=False)
         ckpt.save_rng(d, env.rank)
         ckpt.write_meta(d, step, "deepspeed", progress.trained_tokens, env.rank)
+        fns.save(d, env.rank)
 
     micro_calls = {"n": 0}
 
@@ -127,17 +221,19 @@ def train_deepspeed(args: TrainArgs, env: WorkerEnv) -> dict:
 
     offload = {"optimizer": args.ds_offload_optimizer, "param": args.ds_offload_param}
     tel = make_telemetry(args, env, engine.module, optimizer, "deepspeed", offload)
+    tel.held_parameters = fns.held_parameters  # DPO's frozen reference copy
     engine.train()
     for step in range(start + 1, s.total_steps + 1):
-        batches = step_batches(s.train, s.sampler, step - 1, env.rank)
+        batches = fns.batches(step - 1, env.rank)
         where = {"phase": "forward"}
         t0 = time.perf_counter()
         try:
             tel.begin_step(step)
-            loss, _, input_tokens = accumulate_gradients(
+            stats: dict = {}
+            loss, _, input_tokens = fns.accumulate(
                 engine, batches, device=env.device, world_size=env.world_size, tel=tel,
                 backward=ds_backward, where=where,
-                offload_activations=args.activation_offload)
+                offload_activations=args.activation_offload, stats=stats)
             where["phase"] = "optimizer"
             lr = scheduler.get_last_lr()[0]
             engine.step()  # the accumulation boundary: clip, optimizer step, schedule, zero grads
@@ -152,15 +248,11 @@ def train_deepspeed(args: TrainArgs, env: WorkerEnv) -> dict:
         finish_step(progress, step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=step_time_s,
                     input_tokens=input_tokens, memory=memory,
                     save_state=lambda d, step=step: save_state(d, step),
-                    eval_fn=lambda: evaluate(engine, s.val, args, env))
-    if args.ds_stage == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()  # collective; the full dict on rank 0
-    else:
-        state = engine.module.state_dict() if env.rank == 0 else None
-    artifacts = {}
-    if env.rank == 0:
-        state = {k: v.detach().float().cpu() for k, v in state.items()}
-        artifacts = ckpt.export_artifacts(args, state, s.model_dir, s.tokenizer)
+                    eval_fn=fns.evaluate, stats=stats)
+    with meter.measure("export", s.total_steps):
+        artifacts = export_deepspeed(args, env, engine.module, s.model_dir, s.tokenizer)
     barrier()
+    if nvme:  # the swap files of this job's ranks on this node
+        shutil.rmtree(nvme_dir(args.ds_nvme_path, args.job_id), ignore_errors=True)
     report_result(args, env, progress, artifacts, s.total_steps)
     return artifacts

@@ -10,12 +10,10 @@ import torch
 from service.domain.training import Regime
 from workers import checkpoint as ckpt
 from workers.args import TrainArgs
-from workers.data import step_batches
 from workers.steps import (
     OOM_ERRORS,
     Progress,
     WorkerEnv,
-    accumulate_gradients,
     clip_and_step,
     make_grad_scaler,
     make_optimizer,
@@ -26,10 +24,13 @@ from workers.steps import (
 from workers.strategies.common import (
     barrier,
     build_model,
-    evaluate,
     finish_step,
+    load_phase,
+    load_report,
+    materialize,
     prepare,
     report_result,
+    step_fns,
     torch_dtype,
     training_regime,
 )
@@ -64,10 +65,13 @@ def shard_fsdp2(model, device: torch.device, world_size: int, *, regime: Regime,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    from workers.weights import is_meta
+
     mesh = init_device_mesh(device.type, (world_size,))
     mp = mixed_precision_policy(regime)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
-    model = model.to(device) if not cpu_offload else model
+    if not cpu_offload and not any(is_meta(p) for p in model.parameters()):
+        model = model.to(device)  # a model built on the meta device gets its room after sharding (materialize)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
@@ -76,13 +80,22 @@ def shard_fsdp2(model, device: torch.device, world_size: int, *, regime: Regime,
 
 def train_fsdp(args: TrainArgs, env: WorkerEnv) -> dict:
     s = prepare(args, env)
-    model = build_model(args, s.model_dir)
-    model = shard_fsdp2(model, env.device, env.world_size, regime=training_regime(args),
-                        reshard_after_forward=args.fsdp_reshard_after_forward, cpu_offload=args.fsdp_cpu_offload)
+    # Built on the meta device and sharded there; each rank then reads only its shard of every weight, in the
+    # dtype it holds it in (a PEFT base in 16 bits), never the whole model (workers/weights.py).
+    meter = load_phase(env)
+    with meter.measure("load", 0) as info:
+        model = build_model(args, s.model_dir, on_meta=True)
+        model = shard_fsdp2(model, env.device, env.world_size, regime=training_regime(args),
+                            reshard_after_forward=args.fsdp_reshard_after_forward, cpu_offload=args.fsdp_cpu_offload)
+        materialize(model, s.model_dir, torch.device("cpu") if args.fsdp_cpu_offload else env.device)
+        load_report(info, model)
     optimizer = make_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, s.total_steps)
     scaler = make_grad_scaler(args.precision, env.device)
-    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at, events=s.notices if env.rank == 0 else [])
+    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at, events=s.notices if env.rank == 0 else [],
+                        phases=meter)
+    fns = step_fns(args, env, s, model, shard=lambda m: shard_fsdp2(  # DPO's frozen copy: sharded like the policy
+        m, env.device, env.world_size, regime=training_regime(args), reshard_after_forward=True, cpu_offload=False))
     start = 0
     with env.latest_checkpoint() as d:
         if d is not None:
@@ -93,20 +106,23 @@ def train_fsdp(args: TrainArgs, env: WorkerEnv) -> dict:
     def save_state(d: str, step: int) -> None:
         ckpt.save_torch_state(d, model, optimizer, scheduler, step=step, strategy="fsdp",
                               trained_tokens=progress.trained_tokens, rank=env.rank, trainable_only=args.is_peft)
+        fns.save(d, env.rank)
 
     off = "cpu" if args.fsdp_cpu_offload else "none"
     tel = make_telemetry(args, env, model, optimizer, "fsdp", {"optimizer": off, "param": off})
+    tel.held_parameters = fns.held_parameters  # DPO's frozen reference copy
     model.train()
     for step in range(start + 1, s.total_steps + 1):
-        batches = step_batches(s.train, s.sampler, step - 1, env.rank)
+        batches = fns.batches(step - 1, env.rank)
         where = {"phase": "forward"}
         t0 = time.perf_counter()
         try:
             tel.begin_step(step)
+            stats: dict = {}
             # The MixedPrecisionPolicy already computes in 16 bits: no autocast on top (it would re-cast).
-            loss, _, input_tokens = accumulate_gradients(
+            loss, _, input_tokens = fns.accumulate(
                 model, batches, device=env.device, world_size=env.world_size, scaler=scaler, tel=tel, where=where,
-                offload_activations=args.activation_offload)
+                offload_activations=args.activation_offload, stats=stats)
             where["phase"] = "optimizer"
             lr = optimizer.param_groups[0]["lr"]
             grad_norm = clip_and_step(model, optimizer, scheduler, args.max_grad_norm, scaler)
@@ -119,12 +135,13 @@ def train_fsdp(args: TrainArgs, env: WorkerEnv) -> dict:
         finish_step(progress, step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=step_time_s,
                     input_tokens=input_tokens, memory=memory,
                     save_state=lambda d, step=step: save_state(d, step),
-                    eval_fn=lambda: evaluate(model, s.val, args, env))
-    if args.is_peft:  # the adapter is small: gather it whole, export it (and the merge) from the rebuilt base
-        state = ckpt.full_model_state(model, trainable_only=True)  # collective: every rank takes part
-        artifacts = ckpt.export_artifacts(args, state, s.model_dir, s.tokenizer) if env.rank == 0 else {}
-    else:  # the full model: gathered one tensor at a time and streamed to safetensors files by rank 0
-        artifacts = ckpt.export_model_streamed(args, model, s.model_dir, s.tokenizer, env.rank)
+                    eval_fn=fns.evaluate, stats=stats)
+    with meter.measure("export", s.total_steps):
+        if args.is_peft:  # the adapter is small: gather it whole; the merge streams from the base's files
+            state = ckpt.full_model_state(model, trainable_only=True)  # collective: every rank takes part
+            artifacts = ckpt.export_artifacts(args, state, s.model_dir, s.tokenizer) if env.rank == 0 else {}
+        else:  # the full model: gathered one tensor at a time and streamed to safetensors files by rank 0
+            artifacts = ckpt.export_model_streamed(args, model, s.model_dir, s.tokenizer, env.rank)
     barrier()
     report_result(args, env, progress, artifacts, s.total_steps)
     return artifacts

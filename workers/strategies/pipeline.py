@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,10 +49,14 @@ from workers.strategies.common import (
     barrier,
     build_model,
     finish_step,
+    load_phase,
+    load_report,
+    materialize,
     prepare,
     report_result,
     training_regime,
 )
+from workers.weights import tied_aliases, tied_duplicates
 
 STAGE_DIR = "pipeline"
 
@@ -229,14 +234,16 @@ def _sum_over(group, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def clip_grad_norm(stage: PipelineStageModule, mesh: Mesh, max_norm: float | None, tied: list) -> torch.Tensor:
+def clip_grad_norm(stage: PipelineStageModule, mesh: Mesh, max_norm: float | None, tied: list,
+                   device: torch.device) -> torch.Tensor:
     """The global gradient norm over every stage (a tied weight counted once, on the first stage),
     and every stage's gradients scaled by the same clip factor. torch's own norm and clip, per tensor:
-    no fp64 or squared copy of a gradient (an embedding's would be the step's largest temporary)."""
+    no fp64 or squared copy of a gradient (an embedding's would be the step's largest temporary).
+    Every tensor a collective reduces is on ``device``, the process group's (NCCL refuses host tensors)."""
     params = [p for p in stage.parameters() if p.grad is not None]
     tied_ids = {id(p) for p in tied} if stage.last and not stage.first else set()
     own = [p.grad for p in params if id(p) not in tied_ids]
-    local = torch.nn.utils.get_total_norm(own) if own else torch.zeros(())
+    local = torch.nn.utils.get_total_norm(own) if own else torch.zeros((), device=device)
     norm = _sum_over(mesh.pp_group, local.double().pow(2)).sqrt().float()
     if max_norm and params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
@@ -295,8 +302,11 @@ def pipeline_step(pp: Pipeline, batches: list[dict], optimizer, scheduler, max_g
     (mean loss over the global batch, the learning rate used, the gradient norm). A collective."""
     stage, mesh = pp.stage, pp.mesh
     where = where if where is not None else {}
+    # Every tensor reduced here is on ``device``: the process group's (NCCL's is the GPU, and refuses host tensors).
+    if tel is not None:
+        tel.note_batches(batches)
     global_tokens = float(_sum_over(mesh.dp_group, torch.tensor(
-        float(sum(label_tokens(b) for b in batches)), dtype=torch.float64)))
+        float(sum(label_tokens(b) for b in batches)), dtype=torch.float64, device=device)))
     pp.loss_scale[0] = 1.0 / max(global_tokens, 1.0)
     losses: list[torch.Tensor] = []  # the last stage's chunk losses (× 1/T) of the whole step
     for b in batches:
@@ -317,7 +327,7 @@ def pipeline_step(pp: Pipeline, batches: list[dict], optimizer, scheduler, max_g
     for p in stage.parameters():
         if p.grad is not None:
             _sum_over(mesh.dp_group, p.grad)
-    grad_norm = clip_grad_norm(stage, mesh, max_grad_norm, stage.tied)
+    grad_norm = clip_grad_norm(stage, mesh, max_grad_norm, stage.tied, device)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
@@ -326,7 +336,8 @@ def pipeline_step(pp: Pipeline, batches: list[dict], optimizer, scheduler, max_g
         tel.mark("optimizer")
     # The step's loss: the last stages' chunk losses (× 1/T) summed over the replicas, once over the
     # world (every other rank adds 0).
-    loss_sum = torch.tensor(sum(float(x.detach()) for x in losses), dtype=torch.float64)
+    loss_sum = (torch.stack([x.detach().double() for x in losses]).sum() if losses
+                else torch.zeros((), dtype=torch.float64, device=device))
     dist.all_reduce(loss_sum)
     return (float(loss_sum) if global_tokens > 0 else None), lr, grad_norm
 
@@ -336,13 +347,24 @@ def train_pipeline(args: TrainArgs, env: WorkerEnv) -> dict:
         raise ValueError("training.strategy 'pipeline' runs in fp32 or bf16")
     mesh = Mesh(env.world_size, env.rank, args.pipeline_stages)
     s = prepare(args, env, data_parallel=(mesh.dp, mesh.dp_index))
-    model = build_model(args, s.model_dir)
-    stage = split_model(model, mesh.stage, mesh.stages, autocast_dtype(training_regime(args)),
-                        local=args.pipeline_local_stages).to(env.device)
+    # Built on the meta device; each stage then reads only its own blocks and ends (workers/weights.py). A tied
+    # LM head is read under the embedding's name, which the last stage no longer holds.
+    meter = load_phase(env)
+    with meter.measure("load", 0) as info:
+        model = build_model(args, s.model_dir, on_meta=True)
+        aliases, tied_names = tied_aliases(model), tied_duplicates(model)
+        stage = split_model(model, mesh.stage, mesh.stages, autocast_dtype(training_regime(args)),
+                            local=args.pipeline_local_stages)
+        materialize(model, s.model_dir, env.device, aliases=aliases)
+        stage = stage.to(env.device)
+        load_report(info, model)
+    stage.tied = [stage_weight(stage)] if stage.tied else []  # the Parameter materialize made, not the meta one
+    stage.export_skip = tied_names
     width = max(len(ids) for ids, _ in s.train.examples)
     optimizer = make_optimizer(stage, args.learning_rate, args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, s.total_steps)
-    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at, events=s.notices if env.rank == 0 else [])
+    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at, events=s.notices if env.rank == 0 else [],
+                        phases=meter)
     pp = make_pipeline(stage, mesh, args.pipeline_schedule, args.pipeline_microbatches, env.device)
 
     start = 0
@@ -378,7 +400,8 @@ def train_pipeline(args: TrainArgs, env: WorkerEnv) -> dict:
                     input_tokens=input_tokens, memory=memory,
                     save_state=lambda d, step=step: save_state(d, step),
                     eval_fn=lambda: evaluate_pipeline(stage, s.val, args, env, mesh))
-    artifacts = export_pipeline(args, env, model, stage, mesh, s.model_dir, s.tokenizer)
+    with meter.measure("export", s.total_steps):
+        artifacts = export_pipeline(args, env, model, stage, mesh, s.model_dir, s.tokenizer)
     barrier()
     report_result(args, env, progress, artifacts, s.total_steps)
     return artifacts
@@ -412,7 +435,7 @@ def evaluate_pipeline(stage: PipelineStageModule, val: TokenizedData | None, arg
             else:
                 dist.send(out.float().contiguous(), dst=ranks[(i + 1) % mesh.stages], group=mesh.pp_group)
     stage.train()
-    totals = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64)
+    totals = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64, device=env.device)
     dist.all_reduce(totals)  # only the last stages add anything
     return float(totals[0]) / max(float(totals[1]), 1.0)
 
@@ -452,7 +475,7 @@ def load_stage_state(d: str, model, stage: PipelineStageModule, optimizer, sched
     mine = set(stage_state(model, stage, trainable_only))
     weights, states, group = {}, {}, None
     for f in sorted(Path(d, STAGE_DIR).glob("stage-*.pt")):
-        part = torch.load(f, map_location="cpu", weights_only=False)
+        part = ckpt.safe_load(f)
         weights.update({k: v for k, v in part["model"].items() if k in mine})
         states.update({index[n]: st for n, st in part["optimizer"].items() if n in index})
         group = group or part["group"]
@@ -464,7 +487,7 @@ def load_stage_state(d: str, model, stage: PipelineStageModule, optimizer, sched
     osd["state"] = states
     osd["param_groups"] = [{**group, "params": osd["param_groups"][0]["params"]}]
     optimizer.load_state_dict(osd)
-    scheduler.load_state_dict(torch.load(Path(d, "scheduler.pt"), weights_only=False)["scheduler"])
+    scheduler.load_state_dict(ckpt.safe_load(Path(d, "scheduler.pt"))["scheduler"])
     ckpt.load_rng(d, rank)
     return ckpt.read_meta(d)
 
@@ -480,14 +503,67 @@ def _param_names(model, stage: PipelineStageModule) -> list[str]:
 
 def export_pipeline(args: TrainArgs, env: WorkerEnv, model, stage: PipelineStageModule, mesh: Mesh,
                     model_dir: str, tokenizer) -> dict:
-    """The first replica's stages send their state to rank 0, which rebuilds the whole model from the
-    base and writes one ordinary Hugging Face folder (export_artifacts, as for DDP)."""
-    mine = stage_state(model, stage, args.is_peft) if mesh.dp_index == 0 else {}
-    parts = [None] * env.world_size if env.rank == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    if env.rank != 0:
+    """One ordinary Hugging Face folder, written by rank 0 (workers/export.py), no rank holding the model.
+    PEFT: each stage's adapter tensors (small) gathered to rank 0, which writes the adapter and streams the
+    merge from the base's files. A full fine-tune: the first replica's stages send their tensors to rank 0 one
+    at a time (on the pipeline group, in the model's order), and rank 0 writes each as it arrives."""
+    from workers.export import TensorSpec, checkpoint_dtypes, write_folder
+
+    if args.is_peft:
+        mine = stage_state(model, stage, True) if mesh.dp_index == 0 else {}
+        parts = [None] * env.world_size if env.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if env.rank != 0:
+            return {}
+        state: dict[str, torch.Tensor] = {}
+        for part in parts:
+            state.update(part)
+        return ckpt.export_artifacts(args, state, model_dir, tokenizer)
+    if mesh.dp_index != 0:
         return {}
-    state: dict[str, torch.Tensor] = {}
+    own = _owned_tensors(model, stage)
+    ranks = dist.get_process_group_ranks(mesh.pp_group)
+    metas = [(k, name, tuple(t.shape), t.dtype) for k, name, t in own]
+    gathered = [None] * mesh.stages if mesh.stage == 0 else None
+    dist.gather_object(metas, gathered, dst=ranks[0], group=mesh.pp_group)
+    if mesh.stage != 0:
+        for _, _, t in own:  # in the order rank 0 receives them: model stage, then the stage's own order
+            dist.send(t.detach().contiguous(), dst=ranks[0], group=mesh.pp_group)
+        return {}
+    entries = sorted((k, i, owner, name, shape, dtype) for owner, ms in enumerate(gathered)
+                     for i, (k, name, shape, dtype) in enumerate(ms))
+    held = {name: t for _, name, t in own}
+    dtypes = checkpoint_dtypes(model_dir)
+    specs = [TensorSpec(name, dtypes.get(name, dtype), shape) for _, _, _, name, shape, dtype in entries]
+
+    def tensors():
+        for _, _, owner, name, shape, dtype in entries:
+            if owner == 0:
+                yield name, held[name]
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=env.device)
+                dist.recv(buf, src=ranks[owner], group=mesh.pp_group)
+                yield name, buf
+
+    return write_folder(Path(args.output_dir), "model", specs, tensors(), model_dir, tokenizer, dtypes, rank=0)
+
+
+def _owned_tensors(model, stage) -> list[tuple[int, str, torch.Tensor]]:
+    """(model stage index, base name, tensor) of every tensor this rank's stages hold and the export keeps, in
+    the model's order; a tied LM head's second name left out (``stage.export_skip``), as save_pretrained does."""
+    from workers.weights import checkpoint_name
+
+    parts = list(stage.parts) if isinstance(stage, RankStages) else [stage]
+    skip = getattr(stage, "export_skip", set())
+    state = model.state_dict(keep_vars=True)
+    seen: set[int] = set()
+    out = []
     for part in parts:
-        state.update(part)
-    return ckpt.export_artifacts(args, state, model_dir, tokenizer)
+        prefixes = tuple(f"{o}." for o in part.owned)
+        for name, t in state.items():
+            if id(t) in seen or not name.startswith(prefixes):
+                continue
+            seen.add(id(t))
+            if checkpoint_name(name) not in skip:
+                out.append((part.index, checkpoint_name(name), t))
+    return out

@@ -69,6 +69,9 @@ from workers.strategies.common import (
     build_model,
     evaluate,
     finish_step,
+    load_phase,
+    load_report,
+    materialize,
     prepare,
     report_result,
     training_regime,
@@ -306,15 +309,39 @@ def loss_context(model, size: int):
     return loss_parallel() if splits_vocab(model, size) else contextlib.nullcontext()
 
 
+def fused_qkv_transforms(model, size: int) -> dict:
+    """For a model built on the meta device: each fused c_attn base weight and bias, read whole from the
+    checkpoint, put in ``fused_qkv_order`` before its share is taken (what ``regroup_fused_qkv`` does to
+    weights in place). Keyed by the model's names (workers/weights.py load_model_weights)."""
+    lm = language_model(model)
+    names = {id(t): n for n, t in model.named_parameters()}
+    out = {}
+    for attn in _fused_attention(lm):
+        order = fused_qkv_order(attn.split_size * size, size)  # split_size is already the rank's width
+        m = attn.c_attn
+        base = m.base_layer if hasattr(m, "base_layer") else m
+        out[names[id(base.weight)]] = lambda t, order=order: t[:, order]
+        out[names[id(base.bias)]] = lambda t, order=order: t[order]
+    return out
+
+
 def parallelize(model, tp: TPMesh, device: torch.device, amp: bool):
     """The model split over the tp sub-mesh, then (dp > 1) FSDP2 over the dp sub-mesh per decoder
-    layer and at the root. Returns the model (the same object)."""
+    layer and at the root. Returns the model (the same object). A model built on the meta device stays
+    there (workers/strategies/common.py materialize gives each rank its share afterwards); its fresh
+    adapter, regrouped here, is kept again for that."""
     from torch.distributed.tensor.parallel import parallelize_module
+
+    from workers.weights import is_meta, snapshot_real
 
     lm = language_model(model)
     check_split(lm.config, tp.size)
     regroup_fused_qkv(model, tp.size)
-    model = model.to(device)
+    if any(is_meta(p) for p in model.parameters()):
+        if hasattr(model, "_memfit_snapshot"):
+            model._memfit_snapshot = snapshot_real(model)  # the adapter's lora_B rows regrouped with the base
+    else:
+        model = model.to(device)
     head = lm.get_output_embeddings()
     tied = head is not None and head.weight is lm.get_input_embeddings().weight
     parallelize_module(model, tp.tp_mesh, {**tensor_plan(model), **vocab_plan(model, tp.size)})
@@ -395,12 +422,21 @@ def train_tensor(args: TrainArgs, env: WorkerEnv) -> dict:
         raise ValueError("training.strategy 'tensor' runs in fp32 or bf16")
     tp = make_mesh(env.world_size, env.rank, args.tensor_parallel_size, env.device)
     s = prepare(args, env, data_parallel=(tp.dp, tp.dp_index))
-    model = build_model(args, s.model_dir)
     amp_dtype = autocast_dtype(training_regime(args))
-    model = parallelize(model, tp, env.device, amp_dtype is not None)
+    meter = load_phase(env)
+    with meter.measure("load", 0) as info:
+        # Read whole, in its dtype and straight into place (workers/weights.py), then split. Splitting a model built
+        # on the meta device and reading only each rank's slices (what parallelize and materialize support, and what
+        # loads exactly: fused_qkv_transforms included) drifted from DDP's losses in training
+        # (tests/test_tensor_parallel.py's LoRA, resume and export tests; not understood yet): not used until it is.
+        model = build_model(args, s.model_dir)
+        model = parallelize(model, tp, env.device, amp_dtype is not None)
+        materialize(model, s.model_dir, env.device, transforms=fused_qkv_transforms(model, tp.size))
+        load_report(info, model)
     optimizer = make_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, s.total_steps)
-    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at, events=s.notices if env.rank == 0 else [])
+    progress = Progress(args, env, s.total_steps, s.sampler.epoch_at, events=s.notices if env.rank == 0 else [],
+                        phases=meter)
     # A replica's ranks read the same rows: evaluation strides over the replicas, not the world.
     replica_env = dataclasses.replace(env, rank=tp.dp_index, world_size=tp.dp)
     start = 0
@@ -442,7 +478,8 @@ def train_tensor(args: TrainArgs, env: WorkerEnv) -> dict:
                     input_tokens=input_tokens if env.rank % tp.size == 0 else 0, memory=memory,
                     save_state=lambda d, step=step: save_state(d, step),
                     eval_fn=lambda: evaluate_split(model, s.val, args, replica_env, amp_dtype, tp.size))
-    artifacts = export_tensor(args, env, model, s.model_dir, s.tokenizer, tp.size)
+    with meter.measure("export", s.total_steps):
+        artifacts = export_tensor(args, env, model, s.model_dir, s.tokenizer, tp.size)
     barrier()
     report_result(args, env, progress, artifacts, s.total_steps)
     return artifacts
