@@ -37,7 +37,8 @@ def test_formats(lines, summary):
         (['{"prompt": "a"}'], 1, "'completion' must be a string"),
         (['{"text": "a", "label": 1}'], 1, "unknown key 'label' in a text example"),
         (['{"input": "a"}'], 1, "unknown example format with keys ['input']; expected 'messages' (chat), "
-                               "'prompt' and 'completion', or 'text'"),
+                               "'prompt' and 'completion', 'text', or 'input', 'preferred_output' and "
+                               "'non_preferred_output' (preference)"),
         ([], 0, "the file holds no examples"),
     ],
 )
@@ -76,3 +77,54 @@ def test_read_jsonl_returns_the_rows_and_names_the_file(tmp_path):
     with pytest.raises(DataError) as exc:
         read_jsonl(p)
     assert str(exc.value) == f"{p}: the file holds no examples"
+
+
+# --- OpenAI's chat semantics (weight, tools) and its preference rows (DPO) ------------------------------
+
+USER = {"role": "user", "content": "q"}
+
+
+def chat(*messages, **extra) -> str:
+    return json.dumps({"messages": list(messages), **extra})
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+PREF = {"input": {"messages": [USER]}, "preferred_output": [{"role": "assistant", "content": "good"}],
+        "non_preferred_output": [{"role": "assistant", "content": "bad"}]}
+
+
+@pytest.mark.parametrize("row", [
+    chat(USER, {"role": "assistant", "content": "a", "weight": 0}, USER, {"role": "assistant", "content": "b", "weight": 1}),
+    chat(USER, {"role": "assistant", "content": "a"}, tools=[TOOL], parallel_tool_calls=False),
+    chat(USER, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+         functions=[{"name": "f", "parameters": {}}]),
+], ids=["weights", "tools", "legacy-functions"])
+def test_openais_chat_rows_are_accepted(row):
+    assert validate_jsonl([row]) == DatasetSummary("chat", 1)
+
+
+def test_preference_rows_are_their_own_format():
+    assert validate_jsonl([json.dumps(PREF), json.dumps({**PREF, "input": {"messages": [USER], "tools": [TOOL]}})]) == \
+        DatasetSummary("preference", 2)
+
+
+@pytest.mark.parametrize("row, message", [
+    (chat(USER, {"role": "assistant", "content": "a", "weight": 0}),
+     "every assistant message has weight 0: the example would teach nothing (give one assistant message weight 1, "
+     "or leave the example out)"),
+    (chat(USER, {"role": "assistant", "content": "a", "weight": 2}), "messages[1].weight must be 0 or 1, got 2"),
+    (chat({**USER, "weight": 0}, {"role": "assistant", "content": "a"}),
+     "messages[0].weight applies to assistant messages only"),
+    (chat(USER, {"role": "assistant", "content": "a"}, tools={"a": 1}), "'tools' must be a list of objects"),
+    (chat(USER, {"role": "assistant", "content": "a"}, tools=[{"type": "function"}]),
+     'tools[0] must be {"type": "function", "function": {"name": …}}'),
+    (json.dumps({**PREF, "preferred_output": [{"role": "user", "content": "x"}]}),
+     "'preferred_output' must be a list of one assistant message"),
+    (json.dumps({k: v for k, v in PREF.items() if k != "input"}), "a preference example needs 'input'"),
+    (json.dumps({**PREF, "extra": 1}), "unknown key 'extra' in a preference example"),
+], ids=["all-weight-0", "weight-2", "weight-on-user", "tools-not-list", "tool-without-function", "preferred-not-assistant",
+        "no-input", "unknown-key"])
+def test_openai_semantics_errors_name_the_line(row, message):
+    with pytest.raises(DataError) as exc:
+        validate_jsonl([CHAT if row.startswith('{"messages"') else json.dumps(PREF), row])
+    assert (exc.value.line, exc.value.message) == (2, message)

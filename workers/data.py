@@ -13,8 +13,16 @@ import math
 from dataclasses import dataclass
 from typing import Iterator
 
-from service.domain.datafmt import read_jsonl
-from service.domain.encoding import IGNORE, encode_example, pack, truncate
+from service.domain.datafmt import DataError, read_jsonl_numbered
+from service.domain.encoding import (
+    IGNORE,
+    encode_example,
+    pack,
+    pack_segments,
+    packed_position_ids,
+    truncate,
+)
+from service.domain.sampling import StepOrder
 
 __all__ = ["IGNORE", "encode_example", "pack"]  # the encoding rule lives in service/domain/encoding.py
 
@@ -24,19 +32,36 @@ class TokenizedData:
     fmt: str
     examples: list[tuple[list[int], list[int]]]
     pad_id: int
+    # packing: each row's position ids, restarting at every example's piece (encoding.packed_position_ids);
+    # None when every row is one example
+    positions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.examples)
 
 
+def encode_rows(path: str, tokenizer, encode=encode_example) -> tuple[str, list]:
+    """(format, ``encode(tokenizer, row, fmt)`` of every row); a row the encoding refuses (a chat template
+    that cannot render its tools) raises DataError naming the file and the line."""
+    fmt, rows = read_jsonl_numbered(path)
+    out = []
+    for line, row in rows:
+        try:
+            out.append(encode(tokenizer, row, fmt))
+        except ValueError as exc:
+            raise DataError(line, str(exc), str(path)) from None
+    return fmt, out
+
+
 def load_dataset(path: str, tokenizer, max_seq_length: int, packing: bool = False) -> TokenizedData:
-    fmt, rows = read_jsonl(path)
-    examples = [encode_example(tokenizer, r, fmt) for r in rows]
+    fmt, examples = encode_rows(path, tokenizer)
     examples = truncate(examples, max_seq_length)
+    positions = None
     if packing:
+        positions = [packed_position_ids(row) for row in pack_segments([len(i) for i, _ in examples], max_seq_length)]
         examples = pack(examples, max_seq_length)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return TokenizedData(fmt=fmt, examples=examples, pad_id=pad)
+    return TokenizedData(fmt=fmt, examples=examples, pad_id=pad, positions=positions)
 
 
 def rows_without_labels(data: TokenizedData) -> int:
@@ -45,8 +70,14 @@ def rows_without_labels(data: TokenizedData) -> int:
     return sum(1 for _, labels in data.examples if all(t == IGNORE for t in labels[1:]))
 
 
-def collate(examples, pad_id: int):
-    """Right-pad to the longest row; padded positions have attention 0 and label -100."""
+def collate(examples, pad_id: int, positions: list[list[int]] | None = None):
+    """Right-pad to the longest row; padded positions have attention 0 and label -100.
+
+    Packed rows (``positions``: each row's position ids, restarting at every example) also get
+    ``position_ids``, and the padding of a shorter row positions of its own from 0: the model then
+    masks attention block-diagonally, each example (and the padding) attending only within itself
+    (transformers/masking_utils.py: create_causal_mask reads restarts of position_ids as sequence
+    boundaries when it is given no 2D attention mask — forward_loss_sum passes it none for them)."""
     import torch
 
     width = max(len(ids) for ids, _ in examples)
@@ -57,66 +88,28 @@ def collate(examples, pad_id: int):
         ids[row, : len(i)] = torch.tensor(i)
         labels[row, : len(l)] = torch.tensor(l)
         mask[row, : len(i)] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if positions is not None:
+        pos = torch.zeros((len(examples), width), dtype=torch.long)
+        for row, p in enumerate(positions):
+            pos[row, : len(p)] = torch.tensor(p)
+            pos[row, len(p):] = torch.arange(width - len(p))
+        batch["position_ids"] = pos
+    return batch
 
 
 # --- sampling -----------------------------------------------------------------------------------
 
 
-@dataclass
-class StepSampler:
-    """Which examples each rank trains on at each optimizer step, as a pure function of the step.
-
-    The data is an endless stream of epochs, each a seeded permutation. Optimizer step ``s`` consumes
-    stream positions [s·G, (s+1)·G) with G = micro × accumulation × world; micro-batch m of rank r
-    takes the slice starting at s·G + (m·world + r)·micro. Resuming at step s needs nothing but s,
-    and the same global batch split differently (more accumulation, fewer ranks) covers the same
-    examples in the same step.
-    """
-
-    n_examples: int
-    micro_batch_size: int
-    accumulation: int
-    world_size: int
-    seed: int
-
-    def __post_init__(self):
-        self._perms: dict[int, list[int]] = {}
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch_size * self.accumulation * self.world_size
-
-    def total_steps(self, n_epochs: int, max_steps: int | None) -> int:
-        if max_steps is not None:
-            return max_steps
-        return max(1, math.ceil(n_epochs * self.n_examples / self.global_batch))
-
-    def epoch_at(self, step: int) -> float:
-        return step * self.global_batch / self.n_examples
-
-    def _perm(self, epoch: int) -> list[int]:
-        if epoch not in self._perms:
-            import torch
-
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms = {epoch: torch.randperm(self.n_examples, generator=g).tolist()}
-        return self._perms[epoch]
-
-    def _index(self, position: int) -> int:
-        return self._perm(position // self.n_examples)[position % self.n_examples]
-
-    def micro_batches(self, step: int, rank: int) -> list[list[int]]:
-        base = step * self.global_batch
-        out = []
-        for m in range(self.accumulation):
-            start = base + (m * self.world_size + rank) * self.micro_batch_size
-            out.append([self._index(p) for p in range(start, start + self.micro_batch_size)])
-        return out
+class StepSampler(StepOrder):
+    """Which examples each rank trains on at each optimizer step, as a pure function of the step: the rule of
+    service/domain/sampling.py (the planner predicts each step's micro-batches from the same rule)."""
 
 
 def step_batches(data: TokenizedData, sampler: StepSampler, step: int, rank: int) -> list[dict]:
-    return [collate([data.examples[i] for i in idx], data.pad_id) for idx in sampler.micro_batches(step, rank)]
+    return [collate([data.examples[i] for i in idx], data.pad_id,
+                    [data.positions[i] for i in idx] if data.positions is not None else None)
+            for idx in sampler.micro_batches(step, rank)]
 
 
 def eval_batches(data: TokenizedData, micro_batch_size: int, rank: int, world_size: int) -> Iterator[dict]:

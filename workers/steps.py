@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from workers.activation_offload import offloading
 from workers.args import TrainArgs
 from workers.chunked_loss import loss_targets
-from workers.telemetry import HostMemoryExceeded, StepTelemetry
+from workers.telemetry import HostMemoryExceeded, PhaseMeter, StepTelemetry
 
 # --- where this worker runs ---------------------------------------------------------------------
 
@@ -91,6 +91,12 @@ class WorkerEnv:
 
             ckpt = ray.train.get_checkpoint()
             if ckpt is None:  # this attempt has made none yet: the one an earlier attempt left, if any
+                from workers.storage import fetch_checkpoint, is_remote
+
+                if is_remote(self.resume_dir):  # staged in the bucket: this rank's copy, for the load
+                    with tempfile.TemporaryDirectory(prefix="memfit-resume-") as d:
+                        yield fetch_checkpoint(self.resume_dir, d)
+                    return
                 yield self.resume_dir
                 return
             with ckpt.as_directory() as d:
@@ -147,6 +153,33 @@ def label_tokens(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
+@torch.no_grad()
+def token_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    """Label positions whose argmax logit is the label (the numerator of OpenAI's mean token accuracy:
+    over the tokens the loss counts), a 0-dim device tensor; None for vocabulary-sharded logits (strategy
+    tensor under loss_parallel), whose argmax would need the whole vocabulary gathered."""
+    if hasattr(logits, "to_local"):
+        return None
+    if logits.shape[1] > labels.shape[1]:
+        logits = logits[:, -labels.shape[1]:]
+    target = shifted_labels(labels.to(logits.device, non_blocking=True))
+    return ((logits.argmax(-1) == target) & (target != -100)).sum()
+
+
+def model_inputs(batch: dict, device: torch.device) -> dict:
+    """What the model's forward is given: the ids, and either the padding mask or, for packed rows, the
+    position ids that restart at each example (workers/data.py collate) and no mask, from which the
+    model builds the block-diagonal causal mask that keeps the examples apart."""
+    inputs = {"input_ids": batch["input_ids"].to(device, non_blocking=True)}
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
+        # transformers reads packed sequences from the position ids only without a KV cache (masking_utils)
+        inputs["use_cache"] = False
+    else:
+        inputs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
+    return inputs
+
+
 def autocast(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext()
@@ -162,19 +195,42 @@ def make_grad_scaler(precision: str, device: torch.device):
     return torch.amp.GradScaler("cuda")
 
 
-def forward_loss_sum(model, batch: dict, device: torch.device, amp_dtype, offload_activations: bool = False) -> torch.Tensor:
+def forward_loss_sum(model, batch: dict, device: torch.device, amp_dtype, offload_activations: bool = False,
+                     counts: dict | None = None) -> torch.Tensor:
     """The micro-batch's summed token loss. A head made chunked (workers/chunked_loss.py, training.
     loss_chunk_tokens) computes it inside the forward from the labels set here; otherwise it is
     token_loss_sum of the logits. ``offload_activations`` moves what the model's forward saves to host
-    memory (workers/activation_offload.py); the loss's own saved tensors stay on the device."""
+    memory (workers/activation_offload.py); the loss's own saved tensors stay on the device. ``counts``,
+    when given, collects ``correct``: the label positions predicted right (token_correct)."""
     labels = batch["labels"]
     with loss_targets(shifted_labels(labels)) as target, autocast(device, amp_dtype), \
             offloading(device, offload_activations):
-        out = model(input_ids=batch["input_ids"].to(device, non_blocking=True),
-                    attention_mask=batch["attention_mask"].to(device, non_blocking=True))
+        out = model(**model_inputs(batch, device))
     if target.chunked:  # the model's output, through every wrapper's hooks (workers/chunked_loss.py)
+        if counts is not None and target.tally:
+            _count(counts, sum(target.tally.values()))
         return out.logits
-    return token_loss_sum(out.logits, labels)
+    loss = token_loss_sum(out.logits, labels)
+    if counts is not None:
+        _count(counts, token_correct(out.logits, labels))
+    return loss
+
+
+def _count(counts: dict, correct: torch.Tensor | None) -> None:
+    if correct is None:
+        counts["correct"] = None  # not measured for this micro-batch: the step's accuracy is unknown
+    elif counts.get("correct", 0) is not None:
+        counts["correct"] = counts.get("correct", 0) + correct
+
+
+def run_backward(loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None, scaler=None) -> None:
+    """One micro-batch's backward: the strategy's own (DeepSpeed's engine.backward), fp16's scaled one, or plain."""
+    if backward is not None:
+        backward(loss)
+    elif scaler is not None:
+        scaler.scale(loss).backward()
+    else:
+        loss.backward()
 
 
 def accumulate_gradients(
@@ -190,6 +246,7 @@ def accumulate_gradients(
     backward: Callable[[torch.Tensor], None] | None = None,
     where: dict | None = None,
     offload_activations: bool = False,
+    stats: dict | None = None,
 ) -> tuple[float | torch.Tensor | None, int, int]:
     """Forward and backward every micro-batch of one optimizer step with the loss scaled as the
     module docstring explains. Returns (mean loss over the window across ranks, global label
@@ -197,8 +254,13 @@ def accumulate_gradients(
     only when a report needs it (``host_value``): reading it here would wait for the GPU every
     step, and a CPU's is a float. ``no_sync`` skips DDP's all-reduce on all but the last micro-batch;
     ``backward`` replaces ``loss.backward()`` (DeepSpeed's engine.backward); ``where["phase"]``
-    tracks the phase for an out-of-memory report; ``offload_activations``: forward_loss_sum's."""
+    tracks the phase for an out-of-memory report; ``offload_activations``: forward_loss_sum's. ``stats``,
+    when given, gets ``mean_token_accuracy``: the window's label tokens predicted right (argmax) over all
+    of them, across ranks (None where the strategy cannot measure it)."""
     where = where if where is not None else {}
+    counts: dict = {}
+    if tel is not None:
+        tel.note_batches(micro_batches)
     local_tokens = sum(label_tokens(b) for b in micro_batches)
     global_tokens = all_reduce_sum(local_tokens, device)
     scale = world_size / max(global_tokens, 1.0)
@@ -208,30 +270,35 @@ def accumulate_gradients(
         ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
         with ctx:
             where["phase"] = "forward"
-            loss_sum = forward_loss_sum(model, batch, device, amp_dtype, offload_activations)
+            loss_sum = forward_loss_sum(model, batch, device, amp_dtype, offload_activations, counts)
             if tel is not None:
                 tel.mark("forward")
             loss = loss_sum * scale
             where["phase"] = "backward"
-            if backward is not None:
-                backward(loss)
-            elif scaler is not None:
-                scaler.scale(loss).backward()
-            else:
-                loss.backward()
+            run_backward(loss, backward, scaler)
             if tel is not None:
                 tel.mark("backward")
         part = loss_sum.detach().double()
         loss_total = part if loss_total is None else loss_total + part
+    correct = counts.get("correct")
+    measured = isinstance(correct, torch.Tensor)  # the same on every rank: they run the same model and head
     if distributed():
         import torch.distributed as dist
 
-        dist.all_reduce(loss_total)
+        if measured:  # one collective for both sums: the loss and the correct predictions
+            totals = torch.stack([loss_total, correct.to(loss_total.device).double()])
+            dist.all_reduce(totals)
+            loss_total, correct = totals[0], totals[1]
+        else:
+            dist.all_reduce(loss_total)
     input_tokens = sum(int(b["attention_mask"].sum()) for b in micro_batches)
     # A window whose examples were all truncated before their assistant/completion tokens has no
     # label to learn from: its loss is undefined, not 0.0 (which a dashboard would show as perfect).
     if global_tokens <= 0:
         return None, 0, input_tokens
+    if stats is not None:
+        accuracy = correct / global_tokens if measured else None
+        stats["mean_token_accuracy"] = accuracy if accuracy is None or accuracy.device.type == "cuda" else float(accuracy)
     mean_loss = loss_total / global_tokens
     return (mean_loss if mean_loss.device.type == "cuda" else float(mean_loss)), int(global_tokens), input_tokens
 
@@ -312,12 +379,21 @@ def make_telemetry(args: TrainArgs, env: WorkerEnv, model, optimizer, strategy: 
 
 
 STALL_ENV = "MEMFIT_WORKER_STALL_AT"
+LEAK_ENV = "MEMFIT_WORKER_LEAK_BYTES"
+_LEAKED: list[torch.Tensor] = []  # MEMFIT_WORKER_LEAK_BYTES: what the test-only leak keeps
 
 
 def maybe_inject_failure(args: TrainArgs, env: WorkerEnv, step: int) -> None:
     """MEMFIT_FAIL_AT_STEP=<step>[:<rank>]: exit that rank once (a marker file remembers it).
+    MEMFIT_WORKER_LEAK_BYTES=<bytes>[:<rank>]: after every step that rank keeps one more tensor of that size (the
+    memory alarms' test: service/memory/alarms.py).
     MEMFIT_WORKER_STALL_AT=<step>:<attempt>: rank 0 of that memfit attempt hangs after that step, as
     a rank whose peer's node vanished waits in a collective (the scheduler forwards MEMFIT_WORKER_*)."""
+    leak = os.environ.get(LEAK_ENV)
+    if leak:  # test-only: a tensor kept across steps, as a loss summed with its graph keeps its activations
+        size, _, rank = leak.partition(":")
+        if not rank or int(rank) == env.rank:
+            _LEAKED.append(torch.ones(int(size), dtype=torch.uint8))
     stall = os.environ.get(STALL_ENV)
     if stall and env.rank == 0:
         at, _, attempt = stall.partition(":")
@@ -349,6 +425,8 @@ class Progress:
     trained_tokens: int = 0
     started_at: float = field(default_factory=time.perf_counter)
     events: list[dict] = field(default_factory=list)  # job events still to send, with the next report
+    # the job's phases outside the step (load, eval, checkpoint, export), measured and sent with the next report
+    phases: PhaseMeter | None = None
 
     def __post_init__(self) -> None:
         if self.env.node_id:  # where each rank runs, once per placement (a restart may move it)
@@ -370,10 +448,19 @@ class Progress:
     def due_checkpoint(self, step: int) -> bool:
         return step % self.args.checkpoint_every_steps == 0 or step == self.total_steps
 
-    def due_metrics(self, step: int, memory: list) -> bool:
-        return bool(memory) or step % self.args.telemetry_every_steps == 0 or step == self.total_steps
+    def due_eval(self, step: int) -> bool:
+        """Evaluation on the validation file: every training.eval_every_steps (by default a few times per
+        run, service/domain/training.py eval_interval) and after the last step, whatever the checkpoints."""
+        from service.domain.training import eval_interval
 
-    def metrics(self, step: int, *, loss, lr, grad_norm, step_time_s, tokens, eval_loss=None, memory=()) -> dict:
+        return step % eval_interval(self.args.eval_every_steps, self.total_steps) == 0 or step == self.total_steps
+
+    def due_metrics(self, step: int, memory: list) -> bool:
+        return (bool(memory) or step % self.args.telemetry_every_steps == 0 or step == self.total_steps
+                or bool(self.phases and self.phases._pending))
+
+    def metrics(self, step: int, *, loss, lr, grad_norm, step_time_s, tokens, eval_loss=None, memory=(),
+                extra: dict | None = None) -> dict:
         m = {
             "kind": "metrics",
             "rank": self.env.rank,
@@ -386,10 +473,11 @@ class Progress:
             "tokens_per_s": tokens / step_time_s if step_time_s > 0 else None,
             "trained_tokens": self.trained_tokens,
             "step_time_s": step_time_s,
-            "memory": list(memory),
+            "memory": list(memory) + (self.phases.records() if self.phases is not None else []),
         }
         if eval_loss is not None:
             m["eval_loss"] = eval_loss
+        m.update({k: v for k, v in (extra or {}).items() if v is not None})
         if self.events:
             m["events"], self.events = self.events, []
         return m
@@ -401,7 +489,11 @@ class Progress:
             self.env.report(metrics)
             return
         with tempfile.TemporaryDirectory(prefix="memfit-ckpt-") as d:
-            save_state(d)
+            if self.phases is not None:
+                with self.phases.measure("checkpoint", metrics["step"]):
+                    save_state(d)
+            else:
+                save_state(d)
             if self.env.in_ray:
                 self.env.report(metrics, d)
             else:  # local mode keeps the directory: copy it under output_dir
