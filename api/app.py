@@ -9,15 +9,20 @@ from fastapi import FastAPI
 
 from api import deps, errors, metrics
 from api.asgi import answered_status
-from api.limits import MAX_JSON_BODY_BYTES, BodyLimit, HeaderLimit, RateLimit
-from api.routes import files, health, ingest, jobs, memory, pages, stream
+from api.limits import MAX_JSON_BODY_BYTES, BodyLimit, HeaderLimit, RateLimit, limiter_for
+from api.routes import files, health, ingest, jobs, memory, pages, serving, stream, tinker
+from service.scheduler.inference import Inference
+from service.scheduler.tinker import Tinker
 from service.settings import Settings, ensure_dirs, get_settings
 from service.store import db, reads
 
-__all__ = ["MAX_JSON_BODY_BYTES", "BodyLimit", "answered_status", "create_app"]  # tests, bench/whatif_app.py and service/cli/embedded.py import these from here
+# tests, bench/whatif_app.py and service/cli/embedded.py import these from here
+__all__ = ["MAX_JSON_BODY_BYTES", "BodyLimit", "answered_status", "create_app"]
 
 # Other features add their router here, one line each.
-ROUTERS = [health.router, files.router, stream.router, jobs.router, ingest.router, pages.router, memory.router]  # stream before jobs: it claims …/events?stream=true
+# stream before jobs: it claims …/events?stream=true
+ROUTERS = [health.router, files.router, stream.router, jobs.router, ingest.router, pages.router, memory.router, serving.router,
+           tinker.router]
 
 
 def _known_gpus() -> set[str] | None:
@@ -49,7 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.is_sqlite:
         # Embedded mode migrates itself; a Postgres deployment runs `memfit db upgrade` first.
         db.upgrade(settings.database_url)
-    engine = db.make_engine(settings.database_url)
+    timeouts = db.DbTimeouts.from_settings(settings)  # a database that stops answering costs a 503, not a hang
+    engine = db.make_engine(settings.database_url, timeouts=timeouts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,6 +65,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await app.state.reads.close()
+            await app.state.limiter.close()
+            await app.state.tinker.close()
+            await app.state.inference.close()  # memfit's Serve applications go with it (service/scheduler/serve_apps.py)
             engine.dispose()
 
     app = FastAPI(
@@ -73,9 +82,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.read_sessions = db.make_read_sessionmaker(engine)
     app.state.read_engine = db.read_only(engine)
     app.state.key_check = deps.KeyCheck(app.state.read_engine)
-    app.state.reads = reads.Reads(app.state.read_engine)
+    app.state.reads = reads.Reads(app.state.read_engine, timeouts=timeouts)
     app.state.known_gpus = _known_gpus()
     app.state.schema_head = db.head_revision()
+    app.state.limiter = limiter_for(settings)  # every rate limit's counts (api/limits.py)
+    app.state.inference = Inference(settings)  # the models served on Ray Serve (api/routes/serving.py)
+    app.state.tinker = Tinker(settings, app.state.inference)  # Tinker's training clients, on the same Serve (api/routes/tinker.py)
     errors.install(app)
     # Outermost last: header limits, then the rate limit, then the body (api/limits.py).
     app.add_middleware(BodyLimit, max_bytes=settings.max_json_body_bytes, max_depth=settings.max_json_depth)
@@ -88,6 +100,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics.install(app)  # GET /metrics and the request-latency middleware
     stream.install(app)  # wake SSE feeds when this process stores a job's events
     _document_job_spec(app)
+    ingest.document(app)  # its body's schema (the route reads the body itself, after the token)
     return app
 
 

@@ -79,12 +79,14 @@ class Problem(BaseModel):
 _WHEN = {
     400: "The request could not be read (malformed JSON or multipart, a file that is not valid JSONL)",
     401: "Missing, invalid or revoked API key",
+    403: "Not permitted on this object (a base model cannot be deleted)",
     404: "No such object for this tenant (another tenant's id is a 404 too)",
     409: "Illegal state transition, or an Idempotency-Key whose first request is still in flight",
     413: "Request body over the limit",
     422: "Well-formed request with wrong values; `errors[]` names every field at fault",
     429: "Too many requests (retry after Retry-After)",
-    503: "The database is unavailable (retryable, with Retry-After)",
+    503: "The database or the model serving is unavailable (retryable, with Retry-After)",
+    504: "The generation took longer than its limit (MEMFIT_SERVE_REQUEST_TIMEOUT_S)",
     507: "The storage volume is full (`storage_full`): nothing was stored",
 }
 
@@ -194,10 +196,14 @@ async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     headers = dict(exc.headers or {})
     if exc.status_code == 405 and (allowed := _allowed_methods(request)):
         headers["Allow"] = allowed
+    code, detail = codes.get(exc.status_code, f"http_{exc.status_code}"), str(exc.detail)
+    if exc.status_code == 404 and request.url.path.startswith("/api/v1/"):  # Tinker's API (api/routes/tinker.py)
+        code, detail = "unsupported_endpoint", (f"{request.url.path} is a part of the Tinker API memfit does not implement "
+                                                "(docs/tinker.md lists what it does)")
     return problem_response(
-        request, status=exc.status_code, code=codes.get(exc.status_code, f"http_{exc.status_code}"),
+        request, status=exc.status_code, code=code,
         title=str(exc.detail) if exc.status_code != 404 else "Not found",
-        detail=str(exc.detail), headers=headers,
+        detail=detail, headers=headers,
     )
 
 

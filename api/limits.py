@@ -2,13 +2,14 @@
 
 - :class:`HeaderLimit`: more than ``max_header_count`` headers, or more than ``max_header_bytes`` of
   them, is 431 ``headers_too_large``.
-- :class:`RateLimit`: a token bucket per API key (the ``Authorization`` header) and one per client
-  IP for requests without a key: past its rate a request is 429 ``rate_limit_exceeded`` with
+- :class:`RateLimit`: a limit per API key (the ``Authorization`` header) or dashboard session (its
+  cookie), and one per client IP for requests without either: past its rate a request is 429 ``rate_limit_exceeded`` with
   ``Retry-After`` (and ``retry-after-ms``, which the openai client prefers). A key is only given its
-  own bucket once the API has accepted it: until then (and for every request the API answers 401)
-  it counts against its IP, so inventing keys does not buy a fresh bucket per request. Health,
-  readiness, /metrics, the workers' ingest and the dashboard's static files are exempt. The buckets
-  live in this process: N API processes admit N times the rate.
+  own allowance once the API has accepted it: until then (and for every request the API answers 401)
+  it counts against its IP, so inventing keys does not buy a fresh allowance per request. Health,
+  readiness, /metrics and the dashboard's static files are exempt; the workers' ingest has a limit of
+  its own, per job attempt, checked after its token (api/routes/ingest.py). Every limit is counted by
+  the app's :class:`Limiter`, which routes with limits of their own call too (:func:`take`).
 - :class:`BodyLimit`: a body over ``max_bytes`` (Content-Length or chunked) is 413
   ``body_too_large``; a JSON body nested deeper than ``max_depth`` is 400 ``json_too_deep`` (before
   any parser could recurse on it). /v1/files streams its upload under its own limit
@@ -20,6 +21,7 @@ Each answers with api.errors.problem_response, so the body is the usual problem 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 import time
@@ -30,13 +32,18 @@ from starlette.requests import Request
 
 from api import errors
 from api.asgi import answered_status
+from service.domain.errors import DomainError
 from service.settings import Settings
 
 # JSON bodies (job specs, ingest batches) are small; uploads have their own limit (max_upload_bytes).
 MAX_JSON_BODY_BYTES = Settings.model_fields["max_json_body_bytes"].default
 UNLIMITED_BODY_PATHS = ("/v1/files",)
+# The workers' ingest reads its body itself, after its token and its rate limit, under its own cap
+# (api/routes/ingest.py): nothing of the body is read before the token is checked.
+OWN_BODY_PREFIXES = ("/v1/internal/",)
 RATE_EXEMPT_PATHS = ("/healthz", "/readyz", "/metrics")
 RATE_EXEMPT_PREFIXES = ("/v1/internal/", "/ui/static/")
+log = logging.getLogger("memfit.api")
 MAX_BUCKETS = 10_000  # per kind; the least recently used bucket is dropped (a full bucket is a new one)
 
 
@@ -83,40 +90,124 @@ class TokenBucket:
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
 
-    def take(self, now: float | None = None) -> float:
-        """Take a token: 0.0 when granted, else the seconds until one is there (nothing taken)."""
+    def take(self, now: float | None = None, cost: int = 1) -> float:
+        """Take ``cost`` tokens: 0.0 when granted, else the seconds until they are there (nothing taken)."""
         if not self.rate:
             return 0.0
         self._refill(time.monotonic() if now is None else now)
-        if self.tokens >= 1:
-            self.tokens -= 1
+        if self.tokens >= cost:
+            self.tokens -= cost
             return 0.0
-        return (1 - self.tokens) / self.rate
+        return (cost - self.tokens) / self.rate
 
-    def wait(self, now: float | None = None) -> float:
-        """The seconds until a token is there (0.0: one is), taking nothing."""
+    def wait(self, now: float | None = None, cost: int = 1) -> float:
+        """The seconds until ``cost`` tokens are there (0.0: they are), taking nothing."""
         if not self.rate:
             return 0.0
         self._refill(time.monotonic() if now is None else now)
-        return 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
+        return 0.0 if self.tokens >= cost else (cost - self.tokens) / self.rate
 
 
-class _Buckets:
-    def __init__(self, rate: float, burst: int):
-        self.rate, self.burst = rate, burst
-        self.items: OrderedDict[str, TokenBucket] = OrderedDict()
+class Limiter:
+    """Where every rate limit of the API is counted: ``await limiter.take(key, per_s=…, burst=…)``.
 
-    def get(self, key: str, *, create: bool = True) -> TokenBucket | None:
-        bucket = self.items.get(key)
-        if bucket is None:
-            if not create:
-                return None
-            bucket = self.items[key] = TokenBucket(self.rate, self.burst)
-            if len(self.items) > MAX_BUCKETS:
-                self.items.popitem(last=False)
-        else:
-            self.items.move_to_end(key)
-        return bucket
+    A key is any string naming what is limited (``ip:<address>``, ``key:<sha256>``, ``ingest:<job>:<attempt>``;
+    a feature adds its own prefix); ``cost`` is how much of the allowance one request uses (1 for a
+    request; a route that spends more, e.g. generated tokens, passes its count). Answers 0.0 when
+    granted, else the seconds until it would be (and nothing is charged).
+
+    The counting is the ``limits`` library's sliding-window counter, on the storage of
+    ``MEMFIT_RATE_LIMIT_STORAGE_URI``: ``memory://`` in this process, or Redis, shared by every API
+    replica (one count per key whichever replica a request reaches). A rate of ``per_s`` with bursts of
+    ``burst`` is ``burst`` requests per ``burst / per_s`` seconds. When Redis does not answer, a request
+    is let through (and the failure logged): the limiter never takes the API down with it."""
+
+    def __init__(self, uri: str = "memory://") -> None:
+        from limits.aio.strategies import SlidingWindowCounterRateLimiter
+        from limits.storage import storage_from_string
+
+        options = {} if uri.startswith("memory://") else {"implementation": "redispy", "socket_timeout": 1,
+                                                           "socket_connect_timeout": 1}
+        self.uri = uri
+        self.storage = storage_from_string(f"async+{uri}", wrap_exceptions=True, **options)
+        self.strategy = SlidingWindowCounterRateLimiter(self.storage)
+        self._items: dict[tuple[float, int], object] = {}
+        self._failing_since: float | None = None
+
+    def _item(self, per_s: float, burst: int):
+        item = self._items.get((per_s, burst))
+        if item is None:
+            from limits import RateLimitItemPerSecond
+
+            item = self._items[(per_s, burst)] = RateLimitItemPerSecond(burst, max(1, math.ceil(burst / per_s)),
+                                                                        namespace="memfit")
+        return item
+
+    async def _wait(self, item, key: str) -> float:
+        stats = await self.strategy.get_window_stats(item, key)
+        return max(0.001, stats.reset_time - time.time())
+
+    async def take(self, key: str, *, per_s: float, burst: int, cost: int = 1) -> float:
+        if not per_s:
+            return 0.0
+        item = self._item(per_s, burst)
+        try:
+            if await self.strategy.hit(item, key, cost=cost):
+                return 0.0
+            return await self._wait(item, key)
+        except Exception as exc:  # noqa: BLE001 - StorageError, a connection refused: let it through
+            return self._unavailable(exc)
+
+    async def wait(self, key: str, *, per_s: float, burst: int, cost: int = 1) -> float:
+        """The seconds until ``cost`` would be granted, charging nothing."""
+        if not per_s:
+            return 0.0
+        item = self._item(per_s, burst)
+        try:
+            if await self.strategy.test(item, key, cost=cost):
+                return 0.0
+            return await self._wait(item, key)
+        except Exception as exc:  # noqa: BLE001
+            return self._unavailable(exc)
+
+    def _unavailable(self, exc: Exception) -> float:
+        now = time.monotonic()
+        if self._failing_since is None or now - self._failing_since > 60:  # once a minute
+            self._failing_since = now
+            log.warning("rate limit storage %s unavailable (requests are let through): %s", self.uri, exc)
+        return 0.0
+
+    async def close(self) -> None:
+        pass
+
+
+def limiter_for(settings: Settings) -> Limiter:
+    return Limiter(settings.rate_limit_storage_uri)
+
+
+async def take(app, key: str, *, per_s: float, burst: int, cost: int = 1) -> float:
+    """Charge ``cost`` to ``key`` on the app's limiter (see :class:`Limiter`); the wait, 0.0 when granted.
+    For a route with a limit of its own: ``if (wait := await take(request.app, ...)): raise RateLimited(...)``."""
+    return await app.state.limiter.take(key, per_s=per_s, burst=burst, cost=cost)
+
+
+class RateLimited(DomainError):
+    """429 ``rate_limit_exceeded`` with Retry-After, for a route that applies a limit of its own."""
+
+    status, code, title, openai_type, retryable = 429, "rate_limit_exceeded", "Too many requests", "rate_limit_error", True
+
+    def __init__(self, wait_s: float, *, whose: str, per_s: float, burst: int, setting: str):
+        retry_after = max(1, math.ceil(wait_s))
+        super().__init__(
+            f"rate limit exceeded for {whose}: at most {per_s:g} requests per second (bursts of {burst}; "
+            f"{setting}); retry after {retry_after} s",
+            headers={"Retry-After": str(retry_after), "retry-after-ms": str(math.ceil(wait_s * 1000))})
+
+
+def client_address(scope) -> str:
+    """The client's address as uvicorn gives it: the caller's own behind a proxy it trusts
+    (MEMFIT_FORWARDED_ALLOW_IPS), else the peer's."""
+    return (scope.get("client") or ("unknown", 0))[0]
 
 
 def _exempt(path: str) -> bool:
@@ -124,38 +215,41 @@ def _exempt(path: str) -> bool:
 
 
 class RateLimit:
-    """Per API key and per client IP token buckets (see the module's docstring)."""
+    """Per API key and per client IP limits on the app's :class:`Limiter` (see the module's docstring)."""
 
     def __init__(self, app, settings: Settings):
         self.app = app
-        self.keys = _Buckets(settings.rate_limit_key_per_s, settings.rate_limit_key_burst)
-        self.ips = _Buckets(settings.rate_limit_ip_per_s, settings.rate_limit_ip_burst)
+        self.key_rate = (settings.rate_limit_key_per_s, settings.rate_limit_key_burst)
+        self.ip_rate = (settings.rate_limit_ip_per_s, settings.rate_limit_ip_burst)
+        self.accepted: OrderedDict[str, None] = OrderedDict()  # credentials this process saw accepted
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or _exempt(scope["path"]):
             return await self.app(scope, receive, send)
-        credential = dict(scope["headers"]).get(b"authorization")
+        limiter: Limiter = scope["app"].state.limiter
+        headers = dict(scope["headers"])
+        # the tinker SDK's key header (api/routes/tinker.py) is a key like a bearer token: its own bucket once accepted
+        credential = headers.get(b"authorization") or headers.get(b"x-api-key") or _session_cookie(headers.get(b"cookie"))
         digest = hashlib.sha256(credential).hexdigest() if credential else None
-        ip = (scope.get("client") or ("unknown", 0))[0]
-        key_bucket = self.keys.get(digest, create=False) if digest else None
-        ip_bucket = self.ips.get(ip)
-        if key_bucket is not None:
-            wait, whose = key_bucket.take(), "this API key"
-            rate, burst, setting = self.keys.rate, self.keys.burst, "MEMFIT_RATE_LIMIT_KEY_PER_S"
+        ip_key = f"ip:{client_address(scope)}"
+        ip_per_s, ip_burst = self.ip_rate
+        if digest is not None and digest in self.accepted:
+            self.accepted.move_to_end(digest)
+            per_s, burst = self.key_rate
+            wait = await limiter.take(f"key:{digest}", per_s=per_s, burst=burst)
+            whose, setting = "this API key", "MEMFIT_RATE_LIMIT_KEY_PER_S"
         else:
             # No key, or one not yet accepted: the IP's bucket. An unproven key only waits while its
             # IP's bucket is empty; it is charged only when the API refuses it (below).
-            wait = ip_bucket.wait() if digest else ip_bucket.take()
+            per_s, burst = ip_per_s, ip_burst
+            if digest:
+                wait = await limiter.wait(ip_key, per_s=per_s, burst=burst)
+            else:
+                wait = await limiter.take(ip_key, per_s=per_s, burst=burst)
             whose = "this client address without an accepted API key"
-            rate, burst, setting = self.ips.rate, self.ips.burst, "MEMFIT_RATE_LIMIT_IP_PER_S"
+            setting = "MEMFIT_RATE_LIMIT_IP_PER_S"
         if wait > 0:
-            retry_after = max(1, math.ceil(wait))
-            detail = (f"rate limit exceeded for {whose}: at most {rate:g} requests per second "
-                      f"(bursts of {burst}; {setting}); retry after {retry_after} s")
-            response = _problem(
-                scope, status=429, code="rate_limit_exceeded", title="Too many requests", detail=detail,
-                retryable=True, headers={"Retry-After": str(retry_after), "retry-after-ms": str(math.ceil(wait * 1000))},
-            )
+            response = errors.problem_response(Request(scope), **_limited_problem(wait, whose, per_s, burst, setting))
             return await response(scope, receive, send)
         if digest is None:
             return await self.app(scope, receive, send)
@@ -164,11 +258,35 @@ class RateLimit:
         try:
             status = await answered_status(self.app, scope, receive, send)
         finally:
-            if status == 401:
-                self.keys.items.pop(digest, None)
-                ip_bucket.take()
-            elif 200 <= status < 500 and key_bucket is None:
-                self.keys.get(digest)  # accepted (or at least not refused): its own bucket from now on
+            refused = status == 401 or (credential.startswith(b"session:") and not 200 <= status < 300
+                                        and digest not in self.accepted)
+            if refused:
+                self.accepted.pop(digest, None)
+                await limiter.take(ip_key, per_s=ip_per_s, burst=ip_burst)
+            elif (200 <= status < 300 or (200 <= status < 500 and not credential.startswith(b"session:"))) \
+                    and digest not in self.accepted:
+                # accepted (or at least not refused): its own allowance from now on. A dashboard session
+                # only once a page was served with it (a forged one is a redirect to the login, not a 401).
+                self.accepted[digest] = None
+                if len(self.accepted) > MAX_BUCKETS:
+                    self.accepted.popitem(last=False)
+
+
+def _session_cookie(cookie_header: bytes | None) -> bytes | None:
+    """The dashboard's session cookie (api/web_auth.py), as a credential the limiter tells apart."""
+    if not cookie_header:
+        return None
+    for part in cookie_header.split(b";"):
+        name, _, value = part.strip().partition(b"=")
+        if name == b"memfit_session" and value:
+            return b"session:" + value
+    return None
+
+
+def _limited_problem(wait: float, whose: str, per_s: float, burst: int, setting: str) -> dict:
+    limited = RateLimited(wait, whose=whose, per_s=per_s, burst=burst, setting=setting)
+    return {"status": 429, "code": limited.code, "title": limited.title, "detail": limited.message,
+            "retryable": True, "headers": limited.headers}
 
 
 # --- body -----------------------------------------------------------------------------------------
@@ -211,7 +329,7 @@ class BodyLimit:
                                "(MEMFIT_MAX_JSON_BODY_BYTES)")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in UNLIMITED_BODY_PATHS:
+        if scope["type"] != "http" or scope["path"] in UNLIMITED_BODY_PATHS or scope["path"].startswith(OWN_BODY_PREFIXES):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"")

@@ -16,7 +16,8 @@ import orjson
 from pydantic import BaseModel, Field
 from sqlalchemy import Row
 
-from service.domain.spec import JobSpec
+from service.domain.model_names import checkpoint_model_name
+from service.domain.spec import JobSpec, dpo_beta
 from service.jobs.crud import JOB_ROW, event_public_id, spec_version
 from service.store.models import Checkpoint, File, Job, JobEvent
 
@@ -45,6 +46,16 @@ def page_public(items: list[Any], has_more: bool) -> dict[str, Any]:
     }
 
 
+def _absent_when_none(value: Any) -> bool:
+    return value is None
+
+
+# OpenAI's schema (tests/data/openai_openapi_subset.json) types some optional members without null: a
+# string, an object, a number, an array. Such a member is left out when it has no value, never sent as
+# null (a client generated from the schema refuses null there): ``Field(exclude_if=_absent_when_none)``.
+Absent = dict(default=None, exclude_if=_absent_when_none)
+
+
 class FilePublic(BaseModel):
     id: str
     object: Literal["file"] = "file"
@@ -53,9 +64,9 @@ class FilePublic(BaseModel):
     filename: str
     purpose: str
     status: str = "processed"
-    status_details: str | None = None
-    format: str | None = Field(None, description="memfit: chat | prompt_completion | text")
-    rows: int | None = Field(None, description="memfit: examples in the file")
+    status_details: str | None = Field(**Absent, description="Left out unless the file has some (OpenAI: a string).")
+    format: str | None = Field(**Absent, description="memfit: chat | prompt_completion | text | preference")
+    rows: int | None = Field(**Absent, description="memfit: examples in the file")
 
 
 def file_public(f: File) -> FilePublic:
@@ -123,6 +134,7 @@ class SpecView:
     integrations: list[dict[str, Any]] | None
     training: dict[str, Any]
     json: dict[str, orjson.Fragment]
+    method: dict[str, Any] = None  # OpenAI's method object (method_public)
 
     @classmethod
     def of(cls, spec: JobSpec) -> SpecView:
@@ -130,11 +142,12 @@ class SpecView:
         hp = HyperparametersPublic(
             n_epochs=r.n_epochs, batch_size=r.global_batch_size, learning_rate_multiplier=r.learning_rate_multiplier
         )
-        integrations = [i.model_dump(mode="json") for i in spec.integrations] if spec.integrations is not None else None
+        integrations = integrations_public(spec)
         training = spec.training.model_dump(mode="json")
-        parts = {"hyperparameters": hp.model_dump(), "method": method_public(hp), "integrations": integrations,
+        method = method_public(hp, spec)
+        parts = {"hyperparameters": hp.model_dump(), "method": method, "integrations": integrations,
                  "training": training}
-        return cls(hp, integrations, training, {k: orjson.Fragment(orjson.dumps(v)) for k, v in parts.items()})
+        return cls(hp, integrations, training, {k: orjson.Fragment(orjson.dumps(v)) for k, v in parts.items()}, method)
 
 
 class SpecViews:
@@ -176,11 +189,29 @@ class SpecViews:
 SPEC_VIEWS = SpecViews()
 
 
-def method_public(hp: HyperparametersPublic) -> dict[str, Any]:
-    """OpenAI's `method`, with the numbers used where the body said 'auto' (as OpenAI answers it).
-    Every key the SDK's Method declares is present; only supervised jobs exist."""
-    return {"type": "supervised", "supervised": {"hyperparameters": hp.model_dump()},
-            "dpo": None, "reinforcement": None}
+def method_public(hp: HyperparametersPublic, spec: JobSpec | None = None) -> dict[str, Any]:
+    """OpenAI's `method`, with the numbers used where the body said 'auto' (as OpenAI answers it): the
+    method's own object under its type's key, and no other (OpenAI's schema types ``supervised``,
+    ``dpo`` and ``reinforcement`` as objects, never null, so the ones a job does not use are left out)."""
+    if spec is not None and spec.method.type == "dpo":
+        beta = dpo_beta(spec.openai_hyperparameters.beta)
+        return {"type": "dpo", "dpo": {"hyperparameters": {**hp.model_dump(), "beta": beta}}}
+    if spec is not None and spec.method.type == "reinforcement" and spec.method.reinforcement is not None:
+        rl = spec.method.reinforcement
+        extra = rl.hyperparameters.model_dump(mode="json", include={"eval_interval", "eval_samples",
+                                                                    "compute_multiplier", "reasoning_effort"})
+        return {"type": "reinforcement", "reinforcement": {
+            "grader": rl.grader.model_dump(mode="json", exclude_none=True),
+            "hyperparameters": {**hp.model_dump(), **extra}}}
+    return {"type": "supervised", "supervised": {"hyperparameters": hp.model_dump()}}
+
+
+def integrations_public(spec: JobSpec) -> list[dict[str, Any]] | None:
+    """The job's integrations as given, members without a value left out (OpenAI: ``wandb.tags`` is an
+    array, never null)."""
+    if spec.integrations is None:
+        return None
+    return [i.model_dump(mode="json", exclude_none=True) for i in spec.integrations]
 
 
 def job_public(job: Job) -> JobPublic:
@@ -203,7 +234,7 @@ def job_public(job: Job) -> JobPublic:
         suffix=job.suffix,
         trained_tokens=job.trained_tokens,
         hyperparameters=view.hyperparameters,
-        method=method_public(view.hyperparameters),
+        method=view.method,
         metadata=job.metadata_,
         integrations=view.integrations,
         status=job.status,
@@ -363,8 +394,8 @@ class EventPublic(BaseModel):
     level: str
     message: str
     type: str
-    data: dict[str, Any] | None = None
-    attempt: int | None = None
+    data: dict[str, Any] | None = Field(**Absent, description="Left out when the event has none (OpenAI: an object).")
+    attempt: int | None = Field(**Absent, description="memfit: the run attempt the event belongs to")
 
 
 def event_public(e: JobEvent) -> EventPublic:
@@ -378,33 +409,37 @@ class CheckpointPublic(BaseModel):
     id: str
     object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
     created_at: int
-    fine_tuned_model_checkpoint: str
+    fine_tuned_model_checkpoint: str = Field(
+        ..., description="The checkpoint's model name: ft:{model}:{suffix}:{job id}:ckpt-step-{N} (service/domain/model_names.py)")
     fine_tuning_job_id: str
     step_number: int
     metrics: dict[str, Any]
-    attempt: int
+    attempt: int = Field(..., description="memfit: the run attempt that wrote it")
+    path: str = Field(..., description="memfit: where the checkpoint folder is stored (what resume and the artefacts read)")
 
 
-# The metrics OpenAI's checkpoint object declares (FineTuningJobCheckpoint.Metrics); the ones memfit
-# does not measure are null. The workers report `loss` and `eval_loss`: OpenAI calls them
-# train_loss and valid_loss.
+# The metrics OpenAI's checkpoint object declares (FineTuningJobCheckpoint.Metrics), each a number: the
+# ones a checkpoint has no value for are left out, not null (OpenAI's schema types them as numbers). The
+# workers report `loss` and `eval_loss`; OpenAI calls them train_loss and valid_loss.
 CHECKPOINT_METRICS = ("step", "train_loss", "train_mean_token_accuracy", "valid_loss", "valid_mean_token_accuracy",
                       "full_valid_loss", "full_valid_mean_token_accuracy")
-_OPENAI_NAMES = {"loss": "train_loss", "eval_loss": "valid_loss"}
+_OPENAI_NAMES = {"loss": "train_loss", "eval_loss": "valid_loss", "mean_token_accuracy": "train_mean_token_accuracy",
+                 "eval_mean_token_accuracy": "valid_mean_token_accuracy", "full_eval_loss": "full_valid_loss",
+                 "full_eval_mean_token_accuracy": "full_valid_mean_token_accuracy"}
 
 
 def checkpoint_metrics(step: int, measured: dict[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = dict.fromkeys(CHECKPOINT_METRICS)
-    out.update(measured or {})
+    out: dict[str, Any] = {k: v for k, v in (measured or {}).items() if v is not None}
     for ours, theirs in _OPENAI_NAMES.items():
-        if out.get(theirs) is None and out.get(ours) is not None:
+        if theirs not in out and out.get(ours) is not None:
             out[theirs] = out[ours]
     out["step"] = step
     return out
 
 
-def checkpoint_public(c: Checkpoint) -> CheckpointPublic:
+def checkpoint_public(c: Checkpoint, job: Job) -> CheckpointPublic:
     return CheckpointPublic(
-        id=c.id, created_at=ts(c.created_at), fine_tuned_model_checkpoint=c.path, fine_tuning_job_id=c.job_id,
-        step_number=c.step, metrics=checkpoint_metrics(c.step, c.metrics), attempt=c.attempt,
+        id=c.id, created_at=ts(c.created_at), fine_tuning_job_id=c.job_id,
+        fine_tuned_model_checkpoint=checkpoint_model_name(job.model, job.suffix, job.id, c.step),
+        step_number=c.step, metrics=checkpoint_metrics(c.step, c.metrics), attempt=c.attempt, path=c.path,
     )

@@ -4,8 +4,11 @@ methods merge are service/domain/training.py's rules, the planner's."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
+
+import torch
 
 from service.domain.training import feedforward_targets, lora_targets
 
@@ -87,12 +90,88 @@ def load_qlora_base(model_dir: str, attention: str, compute_dtype, quant_storage
 
 
 def apply_peft(model, method: str, *, r=8, alpha=16.0, dropout=0.0, targets="auto", num_virtual_tokens=16):
-    """Wrap ``model`` with a fresh adapter; only adapter parameters stay trainable."""
+    """Wrap ``model`` with a fresh adapter; only adapter parameters stay trainable. The adapter is made on
+    the host in fp32, with its initial values, whatever the base is (``_adapter_as_made``); a prompt
+    encoder PEFT put on the meta device with a meta base is made again on the host."""
     import peft
 
     cfg = peft_config(method, model.config.model_type, r=r, alpha=alpha, dropout=dropout,
                       targets=targets, num_virtual_tokens=num_virtual_tokens)
-    return peft.get_peft_model(model, cfg)
+    with _adapter_as_made():
+        wrapped = peft.get_peft_model(model, cfg)
+    init_adapters(wrapped)
+    return wrapped
+
+
+@torch.no_grad()
+def init_adapters(model) -> int:
+    """Give every adapter tensor (and a prompt encoder) its initial values again, on the host in fp32, in module
+    order: peft puts a new adapter where its base layer is (``_replace_module``), which for a base built on the
+    meta device (workers/models.py empty_model) is the meta device, where its values are lost. Done whatever the
+    base, so that every strategy draws the same initial adapter from the same seed. Returns the layers reset."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    n = 0
+    for module in model.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        config = model.peft_config[module.active_adapters[0]] if hasattr(model, "peft_config") else None
+        for adapter in module.active_adapters:
+            for attr in module.adapter_layer_names:
+                layer = getattr(module, attr, None)
+                if layer is None or adapter not in layer:
+                    continue
+                item = layer[adapter]
+                if isinstance(item, torch.nn.Parameter):
+                    if item.is_meta or item.dtype != torch.float32:
+                        layer[adapter] = torch.nn.Parameter(torch.empty_like(item, device="cpu", dtype=torch.float32),
+                                                            requires_grad=item.requires_grad)
+                elif any(p.is_meta or p.dtype != torch.float32 for p in item.parameters()):
+                    item.to_empty(device="cpu")
+                    item.float()
+            if hasattr(module, "reset_lora_parameters"):
+                module.reset_lora_parameters(adapter, getattr(config, "init_lora_weights", True))
+            elif hasattr(module, "reset_ia3_parameters"):
+                module.reset_ia3_parameters(adapter)
+            elif hasattr(module, "reset_adapter_parameters"):
+                module.reset_adapter_parameters(adapter)
+            else:  # pragma: no cover - every method memfit offers has one of the three
+                raise ValueError(f"cannot initialise the adapter of {type(module).__name__}")
+            n += 1
+    encoder = getattr(model, "prompt_encoder", None)
+    if encoder is not None:  # prefix and prompt tuning: embeddings (and linears) of their own
+        for m in encoder.modules():
+            if list(m.parameters(recurse=False)):
+                if any(p.is_meta for p in m.parameters(recurse=False)):
+                    m.to_empty(device="cpu", recurse=False)
+                m.float()
+                m.reset_parameters()
+                n += 1
+    return n
+
+
+@contextlib.contextmanager
+def _adapter_as_made():
+    """peft moves each new adapter to its base layer's device and dtype (tuners_utils.py
+    ``_move_adapter_to_device_of_base_layer``): onto the meta device for a base built empty (the adapter's
+    initial values lost), or rounded to bf16 for a bf16 base before peft casts it back to fp32. A base on the
+    host or the meta device keeps the adapter where peft made it, in fp32 with its values; a base on a GPU
+    (QLoRA's, loaded there) gets it moved as before."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    original = BaseTunerLayer._move_adapter_to_device_of_base_layer
+
+    def move(self, adapter_name, device=None):
+        weight = getattr(self.get_base_layer(), "weight", None)
+        if device is None and weight is not None and weight.device.type in ("cpu", "meta"):
+            return None
+        return original(self, adapter_name, device)
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+    try:
+        yield
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = original
 
 
 def merge_adapter(base_dir: str, adapter_dir: str | Path, out_dir: str | Path, attention: str = "sdpa",

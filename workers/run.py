@@ -4,9 +4,9 @@
 2. validates the data files — a bad row fails here, naming file and line, before any worker starts —
    and the model (workers/models.py: check_model): one that cannot be loaded fails the job here with
    ``model_unavailable``, once, instead of failing every worker group Ray Train would start;
-3. runs ``TorchTrainer.fit()`` with RunConfig(name=job_id, storage_path=<output_dir>/ray) and the
-   metrics callback. ``output_dir`` is the attempt's own folder (service/scheduler/paths.py:
-   attempt_dir); a worker group Ray Train restarts within the attempt resumes from the run's latest
+3. runs ``TorchTrainer.fit()`` with RunConfig(name=job_id, storage_path=<output_dir>/ray, or
+   <output_uri>/ray in the bucket of MEMFIT_STORAGE_URL) and the metrics callback. ``output_dir`` is the
+   attempt's own folder (service/scheduler/paths.py: attempt_dir); a worker group Ray Train restarts within the attempt resumes from the run's latest
    checkpoint, the first one of a new attempt from ``resume_from`` (an earlier attempt's checkpoint);
 4. exits 0, or non-zero with one line of JSON on stderr: {"error": {"code", "message", ...}} —
    RUN_LOST_EXIT_CODE, reporting nothing, when Ray lost the run under it (the scheduler resubmits).
@@ -57,7 +57,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     from workers.elastic import ElasticRefused, apply_world_size
 
-    req = RunRequest.model_validate(config["request"])
+    req = on_this_node(RunRequest.model_validate(config["request"]))
     env = WorkerEnv.from_ray()
     try:
         # resources.min_workers: the world size Ray Train gave this group, re-planned (workers/elastic.py)
@@ -76,6 +76,10 @@ def train_loop_per_worker(config: dict) -> None:
                            "not retrying the same configuration")
     try:
         train(args, env)
+    except DataError as exc:  # a row the model's tokenizer cannot encode (a chat template that ignores its tools)
+        _write_rank_failure(req.output_dir, env.rank, {"code": "data_error", "message": str(exc)[:8000],
+                                                      "param": "training_file", "phase": "load_data"})
+        raise
     except ModelSourceError as exc:
         # The driver's check passed, yet this worker cannot load the model (a corrupt weight file, a
         # node whose cache differs): the job's error says so, not "worker_error".
@@ -114,6 +118,23 @@ def _write_rank_failure(output_dir: str, rank: int, error: dict) -> None:
     (out / f"failure-rank{rank}.json").write_text(json.dumps({"kind": "failure", **error, "rank": rank}))
 
 
+def on_this_node(req: RunRequest) -> RunRequest:
+    """The request as this process reads it: on object storage (RunRequest.object_store) the store
+    attached (workers/storage.py: exports published there) and the data files copied to a local cache
+    once per node; on the volume, as it is."""
+    import tempfile
+
+    from workers.storage import attach, localize
+
+    attach(req.output_dir, req.object_store, req.output_uri)
+    if req.object_store is None:
+        return req
+    cache = Path(tempfile.gettempdir()) / "memfit-cache"
+    return req.model_copy(update={
+        "training_path": localize(req.training_path, req.object_store, cache),
+        "validation_path": localize(req.validation_path, req.object_store, cache) if req.validation_path else None})
+
+
 def validate(req: RunRequest) -> None:
     problems = check_rules(req.spec)
     if problems:
@@ -144,7 +165,10 @@ def build_trainer(req: RunRequest, fail_at: str | None = None):
     if use_gpu:
         per_worker["GPU"] = res.gpus_per_worker
     callback = RecordCallback(attempt=req.attempt, metrics_path=req.metrics_path, ingest_url=req.ingest_url,
-                              ingest_token=req.ingest_token)
+                              ingest_token=req.ingest_token, job_id=req.job_id, output_dir=req.output_dir,
+                              integrations=[i.model_dump(mode="json") for i in req.spec.integrations or []],
+                              config=req.spec.model_dump(mode="json", exclude={"integrations"}),
+                              remote=(req.output_dir, req.object_store, req.output_uri) if req.object_store else None)
     return TorchTrainer(
         train_loop_per_worker,
         # The workers never post records (the controller's callback does): they do not get the token.
@@ -156,12 +180,21 @@ def build_trainer(req: RunRequest, fail_at: str | None = None):
         scaling_config=ScalingConfig(num_workers=_worker_range(res), use_gpu=use_gpu, resources_per_worker=per_worker),
         run_config=RunConfig(
             name=req.job_id,
-            storage_path=str(Path(req.output_dir).resolve() / "ray"),
+            **_run_storage(req),
             failure_config=FailureConfig(max_failures=t.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             callbacks=[callback],
         ),
     )
+
+
+def _run_storage(req: RunRequest) -> dict:
+    """Ray Train's run storage: ``<output_dir>/ray`` on the volume, or ``<output_uri>/ray`` in the
+    bucket through the store's ``pyarrow.fs`` filesystem (Ray Train uploads and downloads checkpoints)."""
+    if req.object_store is None or not req.output_uri:
+        return {"storage_path": str(Path(req.output_dir).resolve() / "ray")}
+    store = req.object_store
+    return {"storage_path": store.fs_path(store.key_of(req.output_uri) + "/ray"), "storage_filesystem": store.filesystem}
 
 
 def _worker_range(res) -> int | tuple[int, int]:
@@ -175,7 +208,7 @@ def fit(req: RunRequest, fail_at: str | None = None):
     structured error (and writes it to the sinks) when training fails."""
     started = time.time()
     try:
-        validate(req)
+        validate(on_this_node(req))  # the trainer gets the request as it is: each worker localises it
     except (DataError, SpecError, ModelSourceError) as exc:
         if isinstance(exc, DataError):
             error = {"code": "data_error", "message": str(exc), "file": exc.path, "line": exc.line}
@@ -240,7 +273,11 @@ def _storage_full_error(exc: BaseException) -> dict | None:
     else:  # only a text says so (a traceback a wrapper carries): its line that does
         lines = [line.strip() for line in str(found).splitlines() if "space left" in line or "quota" in line]
         what = f"no space left on the storage volume: {lines[-1] if lines else ' '.join(str(found).split())}"
-    return {"code": "storage_full", "message": what[:2000], "rank": rank, "phase": getattr(found, "phase", None)}
+    # The tenant's quota (workers/checkpoint.py: StorageQuotaError, checked before the write), not a full volume.
+    code = "storage_quota_exceeded" if "MEMFIT_QUOTA_STORAGE_BYTES" in str(found) else "storage_full"
+    if code == "storage_quota_exceeded":
+        what = (found.strerror if isinstance(found, OSError) and found.strerror else str(found)).strip()
+    return {"code": code, "message": what[:2000], "rank": rank, "phase": getattr(found, "phase", None)}
 
 
 def _deliver_failures(req: RunRequest, failures: list[dict]) -> None:

@@ -27,7 +27,14 @@ except ImportError:  # pragma: no cover - the sink is importable without the [tr
     UserCallback = object
 
 METRIC_FIELDS = ("rank", "step", "total_steps", "epoch", "loss", "eval_loss", "learning_rate", "grad_norm",
-                 "tokens_per_s", "trained_tokens", "step_time_s")
+                 "tokens_per_s", "trained_tokens", "step_time_s", "mean_token_accuracy", "eval_mean_token_accuracy",
+                 "full_eval_loss", "full_eval_mean_token_accuracy", "reward_margin", "preference_accuracy",
+                 "chosen_reward", "rejected_reward", "eval_reward_margin", "eval_preference_accuracy", "mean_reward",
+                 "reward_std", "grader_rewards", "kl", "mean_completion_tokens", "grader_error_rate", "eval_mean_reward")
+# What a checkpoint's metrics keep of its step's (api/schemas.py names them as OpenAI does)
+CHECKPOINT_METRIC_FIELDS = ("loss", "eval_loss", "learning_rate", "mean_token_accuracy", "eval_mean_token_accuracy",
+                            "full_eval_loss", "full_eval_mean_token_accuracy", "reward_margin", "preference_accuracy",
+                            "mean_reward", "eval_mean_reward")
 MEMORY_FIELDS = ("rank", "step", "phase", "source", "parameters_bytes", "gradients_bytes", "optimizer_bytes",
                  "activations_bytes", "temporary_bytes", "other_bytes", "peak_bytes", "host_parameters_bytes",
                  "host_gradients_bytes", "host_optimizer_bytes", "process_rss_bytes", "device")
@@ -95,6 +102,7 @@ def report_to_records(per_rank: list[dict], checkpoint_path: str | None, attempt
     now = time.time() if now is None else now
     stamp = {"attempt": attempt, "time": now}
     records: list[dict] = []
+    endings: list[dict] = []  # a result or failure goes last: ingest stores nothing after the run's last word
     for rank, m in enumerate(per_rank):
         if not m:
             continue
@@ -105,20 +113,23 @@ def report_to_records(per_rank: list[dict], checkpoint_path: str | None, attempt
                 records.append({"kind": "memory", **stamp, **_clean({"rank": rank, **mem}, MEMORY_FIELDS)})
             for ev in m.get("events") or []:
                 records.append({"kind": "event", **stamp, **_clean(ev, ("level", "message", "data", "dedupe"))})
-        elif kind == "result" and m.get("result"):
+        elif kind == "result" and m.get("memory"):  # the last phases (checkpoint, export) of every rank
+            for mem in m["memory"]:
+                records.append({"kind": "memory", **stamp, **_clean({"rank": rank, **mem}, MEMORY_FIELDS)})
+        if kind == "result" and m.get("result"):
             r = m["result"]
-            records.append({"kind": "result", **stamp, "fine_tuned_model": r["fine_tuned_model"],
+            endings.append({"kind": "result", **stamp, "fine_tuned_model": r["fine_tuned_model"],
                             "artifacts": r.get("artifacts", {}), "trained_tokens": r.get("trained_tokens"),
                             "metrics": r.get("metrics", {})})
         if m.get("failure"):
             f = m["failure"]
-            records.append({"kind": "failure", **stamp, **{k: f.get(k) for k in ("code", "message", "rank", "step", "phase")},
+            endings.append({"kind": "failure", **stamp, **{k: f.get(k) for k in ("code", "message", "rank", "step", "phase")},
                             "details": f.get("details") or {}})
     if checkpoint_path is not None and per_rank and per_rank[0]:
         first = per_rank[0]
         records.append({"kind": "checkpoint", **stamp, "step": int(first.get("step", 0)), "path": checkpoint_path,
-                        "metrics": _clean(first, ("loss", "eval_loss", "learning_rate"))})
-    return records
+                        "metrics": _clean(first, CHECKPOINT_METRIC_FIELDS)})
+    return records + endings
 
 
 def failure_records(output_dir: str | Path, attempt: int, since: float = 0.0) -> list[dict]:
@@ -143,17 +154,32 @@ class RecordCallback(UserCallback):
     Constructed from plain data because Ray pickles it into the controller actor."""
 
     def __init__(self, *, attempt: int = 1, metrics_path: str | None = None, ingest_url: str | None = None,
-                 ingest_token: str | None = None):
+                 ingest_token: str | None = None, integrations: list[dict] | None = None, job_id: str = "",
+                 output_dir: str | None = None, config: dict | None = None, remote: tuple | None = None):
         self.attempt = attempt
+        self.remote = remote  # (output_dir, ObjectStore, output_uri) on object storage (workers/storage.py: attach)
         self.metrics_path = metrics_path
         self.ingest_url = ingest_url
         self.ingest_token = ingest_token
+        # the job's W&B / MLflow runs (workers/integrations.py), fed the same records
+        self.integration_specs = {"integrations": integrations or [], "job_id": job_id, "attempt": attempt,
+                                  "output_dir": output_dir or ".", "config": config or {}}
         self._sinks: list[MetricsSink] | None = None
+        self._integrations = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_sinks"] = None  # sinks hold files/clients: reopen them on the other side
+        state["_integrations"] = None
         return state
+
+    @property
+    def integrations(self):
+        if self._integrations is None and self.integration_specs["integrations"]:
+            from workers.integrations import Integrations
+
+            self._integrations = Integrations(**self.integration_specs)
+        return self._integrations
 
     @property
     def sinks(self) -> list[MetricsSink]:
@@ -171,7 +197,14 @@ class RecordCallback(UserCallback):
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         path = getattr(checkpoint, "path", None) if checkpoint is not None else None
+        if path is not None and self.remote is not None:  # in the bucket: named as in the volume's layout
+            from workers.storage import attach, remote_to_local
+
+            attach(*self.remote)
+            path = remote_to_local(path)
         records = report_to_records(metrics, path, self.attempt)
+        if self.integrations is not None:  # their events (a run started, finished, failed) go with the records
+            records = records + self.integrations.handle(records)
         self.emit(records)
         if any(r["kind"] == "result" for r in records):
             for sink in self.sinks:

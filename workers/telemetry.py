@@ -28,6 +28,18 @@ What a sample holds (bytes, per rank, see ``service.domain.records.MemoryRecord`
   (reserved − allocated is cached/fragmented memory), ``mem_get_info`` (free/total as the driver
   sees it, so CUDA context and NCCL buffers show up) and ``num_alloc_retries``.
 
+The referee (:class:`Referee`): an independent count of what the process holds, so that memory the counters
+and the trace cannot see (allocated at wrap time or inside C++, a communication library's buffers) is found.
+On CPU it is glibc's allocator statistics (``mallinfo2``: the bytes malloc has handed out and not had back, in
+every arena and every mapped chunk, all threads; torch's CPU allocator takes its memory from malloc), the CPU's
+counterpart of ``memory_allocated``, read when the model is about to be built (the baseline: interpreter,
+libraries, data), at each step's start, at every phase mark and at the step's end; on CUDA the driver's used
+memory (``mem_get_info``). Each sample carries, in ``device["referee"]``, what the referee holds beyond the
+counted state (``unattributed_bytes``: held at the step's end) and, on traced steps, per phase the referee's
+growth since the step began against the trace's (``phases``): where they differ, by how much. Memory a strategy
+allocates once and keeps outside the parameters and optimizer (DDP's reducer buckets, a pipeline's receive
+buffers) is counted as held (``held_buffers``/``held_bytes``), so the measurement has nothing outside it.
+
 ``host_budget_bytes`` makes every ``mark`` compare the process RSS to a budget and raise
 :class:`HostMemoryExceeded`, the CPU worker's stand-in for CUDA's out-of-memory error. Like CUDA's
 caching allocator, which frees its cached blocks and retries before it raises, a mark over the budget
@@ -85,6 +97,156 @@ def process_rss_bytes() -> int:
         import psutil
 
         return int(psutil.Process().memory_info().rss)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _find_mallinfo2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2  # glibc >= 2.33
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = _MallInfo2, []
+    return fn
+
+
+_MALLINFO2 = _find_mallinfo2()
+
+
+def heap_in_use_bytes() -> int | None:
+    """The bytes malloc has handed out and not had back: chunks in use in every arena (``uordblks``) plus those
+    mapped on their own (``hblkhd``), over all threads — glibc's own count, exact at the instant it is read
+    (~10 µs); None where the C library has no mallinfo2."""
+    if _MALLINFO2 is None:
+        return None
+    m = _MALLINFO2()
+    return int(m.uordblks + m.hblkhd)
+
+
+BASELINE_ATTR = "memfit_heap_baseline"
+
+
+def note_process_baseline(model, heap_before: int | None) -> None:
+    """Records on ``model`` what the process's heap held before it was built (interpreter, libraries, tokenizer,
+    data): the referee's zero for the telemetry of that model. ``build_model`` reads the heap before it builds
+    and calls this on what it built (workers/strategies/common.py); a wrapper (DDP, DeepSpeed, PEFT) reaches it
+    through ``modules()``. A model built any other way has none, and the referee then counts from its start. On
+    the model, not in the process: a process that builds several (a test session) gives each its own zero."""
+    if heap_before is not None:
+        setattr(model, BASELINE_ATTR, heap_before)
+
+
+def heap_baseline_of(model) -> int | None:
+    """The heap before ``model`` (or the model it wraps) was built, as :func:`note_process_baseline` noted it."""
+    if model is None:
+        return None
+    for m in model.modules():
+        value = getattr(m, BASELINE_ATTR, None)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def file_mapped_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of these tensors' storages that live in a file mapping, not in malloc's heap: weights loaded from
+    safetensors are memory-mapped from the file (copy-on-write pages once trained), which the process holds
+    and mallinfo never counts. Read from /proc/self/maps; 0 where it cannot be read."""
+    try:
+        regions = []
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    regions.append((lo, hi))
+    except OSError:
+        return 0
+    regions.sort()
+    starts = [lo for lo, _ in regions]
+    import bisect
+
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            continue
+        try:
+            st = _local(t).untyped_storage()
+            ptr, n = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if ptr in seen or not n:
+            continue
+        seen.add(ptr)
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and regions[i][0] <= ptr < regions[i][1]:
+            total += n
+    return total
+
+
+class Referee:
+    """Reads the process's allocator statistics around a step (see the module docstring)."""
+
+    def __init__(self, device: torch.device, counted_bytes: int = 0, mapped_bytes: int = 0,
+                 baseline_bytes: int | None = None):
+        """``baseline_bytes``: the heap before the model was built (:func:`heap_baseline_of`). Without one (a
+        process that builds its model itself), everything held now is taken as counted: ``counted_bytes`` is what
+        the counters hold now. ``mapped_bytes``: counted storages in a file mapping (:func:`file_mapped_bytes`),
+        held but not malloc's."""
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+        self.device = device
+        self.mapped = mapped_bytes
+        self.baseline = baseline_bytes if not self.cuda else None
+        if self.baseline is None and not self.cuda:
+            now = heap_in_use_bytes()
+            self.baseline = None if now is None else now - (counted_bytes - mapped_bytes)
+        self.begin: int | None = None
+        self.marks: list[tuple[str, int]] = []
+
+    def read(self) -> int | None:
+        if self.cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(total - free)
+        return heap_in_use_bytes()
+
+    def start(self) -> None:
+        self.begin, self.marks = self.read(), []
+
+    def mark(self, phase: str) -> None:
+        if self.begin is not None:
+            value = self.read()
+            if value is not None:
+                self.marks.append((phase, value))
+
+    def held(self, counted_bytes: int) -> dict[str, Any] | None:
+        """At the step's end: what the process holds beyond its baseline, and how much of it the counters do not
+        account for."""
+        now = self.read()
+        if now is None or (self.baseline is None and not self.cuda):
+            return None
+        held = now - (self.baseline or 0) + (0 if self.cuda else self.mapped)
+        return {"source": "mem_get_info" if self.cuda else "mallinfo2", "held_bytes": int(held),
+                "file_mapped_bytes": int(self.mapped), "counted_bytes": int(counted_bytes),
+                "unattributed_bytes": int(held - counted_bytes)}
+
+    def phases(self, trace_marks: list[tuple[str, int]]) -> dict[str, dict[str, int]]:
+        """Per phase, the referee's growth since the step began against the trace's at the same marks (the
+        worst of a phase's marks: accumulation marks each phase once per micro-batch)."""
+        out: dict[str, dict[str, int]] = {}
+        if self.begin is None:
+            return out
+        for (phase, ref), (tphase, traced) in zip(self.marks, trace_marks):
+            if phase != tphase:
+                break
+            delta = ref - self.begin
+            row = {"referee_delta_bytes": int(delta), "trace_delta_bytes": int(traced),
+                   "unattributed_bytes": int(delta - traced)}
+            if phase not in out or abs(row["unattributed_bytes"]) > abs(out[phase]["unattributed_bytes"]):
+                out[phase] = row
+        return out
 
 
 def _find_malloc_trim() -> Callable[[int], int] | None:
@@ -204,6 +366,11 @@ def _optimizer_tensors(optimizer, model_param_ids: set[int]) -> list[torch.Tenso
 
 def _gradient_tensors(model, optimizer) -> list[torch.Tensor]:
     grads: list[torch.Tensor] = [p.grad for p in model.parameters() if p.grad is not None]
+    # DeepSpeed ZeRO-1 with 16-bit weights accumulates each gradient in a copy of the accumulation dtype (fp32 by
+    # default) kept on the parameter as ``grad_accum``, from its first backward until the next step's forward
+    # (deepspeed/runtime/zero/stage_1_and_2.py: use_grad_accum_attribute, _fill_param_grad_accum_attribute,
+    # clear_backward_seen_flag): a gradient no ``.grad`` shows.
+    grads += [g for p in model.parameters() if isinstance(g := getattr(p, "grad_accum", None), torch.Tensor)]
     if optimizer is None:
         return grads
     inner, zero = _ds_inner(optimizer)
@@ -267,6 +434,13 @@ class StepTelemetry:
         # buffers, workers/strategies/pipeline.py: recv_buffers), counted with the model's buffers: on a CPU
         # worker the trace sees only what a step allocates, so memory held from an earlier step must be counted.
         self.held_buffers: Callable[[], Iterable[torch.Tensor]] | None = None
+        # Parameters held outside the model, counted as parameters (DPO's frozen reference copy, workers/dpo.py).
+        self.held_parameters: Callable[[], Iterable[torch.Tensor]] | None = None
+        # Bytes a strategy keeps that no tensor reachable from Python holds (DDP's reducer buckets, allocated in C++
+        # when the model is wrapped: workers/strategies/ddp.py: reducer_bucket_bytes), counted with the buffers.
+        self.held_bytes: Callable[[], int] | None = None
+        self.referee: Referee | None = None  # made below, once the counters can be read
+        self._batches: list[list[int]] | None = None  # the step's micro-batches: each row's tokens
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self._step: int | None = None
         self._sampled = False
@@ -281,9 +455,12 @@ class StepTelemetry:
         # Process memory that is not tensors (interpreter, libraries, allocator slack): RSS now minus
         # the tensors already built. A host-budget post-mortem reports it as its own category.
         try:
-            self._runtime_bytes = max(0, process_rss_bytes() - self._live_bytes(self.counters()))
+            live = self._live_bytes(self.counters())
+            self._runtime_bytes = max(0, process_rss_bytes() - live)
+            mapped = file_mapped_bytes([*_model_parameters(model), *_buffer_tensors(model)]) if model is not None else 0
         except Exception:  # noqa: BLE001 - telemetry must never stop a run from starting
-            self._runtime_bytes = 0
+            live, self._runtime_bytes, mapped = 0, 0, 0
+        self.referee = Referee(self.device, live, mapped, heap_baseline_of(model))
 
     # -- cadence ---------------------------------------------------------------------------
 
@@ -313,6 +490,7 @@ class StepTelemetry:
             self._base = self.counters()
             self._base_live_bytes = self._live_bytes(self._base)
             self._start_profiler()
+            self.referee.start()  # after the profiler's own start-up allocations
 
     def mark(self, phase: str) -> None:
         if phase not in PHASES:
@@ -331,6 +509,7 @@ class StepTelemetry:
         if self._prof is not None:
             with torch.profiler.record_function(_MARK_PREFIX + phase):
                 pass
+            self.referee.mark(phase)
         if phase == "backward":
             g = self._count_gradients()
             self._grad_bytes = (max(self._grad_bytes[0], g[0]), max(self._grad_bytes[1], g[1]))
@@ -338,6 +517,18 @@ class StepTelemetry:
             peak = torch.cuda.max_memory_allocated(self.device)
             self._cuda_phase_peaks[phase] = max(self._cuda_phase_peaks.get(phase, 0), peak)
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def note_batches(self, micro_batches: list[dict]) -> None:
+        """The step's micro-batches, as each row's tokens (its attention mask's ones), for the sample: the
+        service compares the step with the plan of these very micro-batches (service/memory/steps.py)."""
+        if not self._sampled:
+            return
+        out = []
+        for b in micro_batches:
+            mask = b.get("attention_mask")
+            out.append([int(n) for n in mask.sum(dim=1).tolist()] if mask is not None
+                       else [int(b["input_ids"].shape[1])] * int(b["input_ids"].shape[0]))
+        self._batches = out
 
     def end_step(self, step: int) -> list[dict]:
         if not self._sampled or step != self._step:
@@ -361,6 +552,13 @@ class StepTelemetry:
             "process_rss_bytes": counters["process_rss_bytes"],
             "device": device_view,
         }
+        if self._batches is not None:
+            record["device"]["micro_batches"], self._batches = self._batches, None
+        held = self.referee.held(self._live_bytes(counters))
+        if held is not None:
+            record["device"]["referee"] = held
+            if trace is not None:
+                held["phases"] = self.referee.phases(trace["mark_live_bytes"])
         records = [record]
         if trace is not None:
             record["source"] = "profiler"
@@ -396,6 +594,9 @@ class StepTelemetry:
         c = _Counter(self.device)
         params = _model_parameters(self.model)
         p_dev, p_host = c.add(params)
+        if self.held_parameters is not None:
+            h_dev, h_host = c.add(self.held_parameters())
+            p_dev, p_host = p_dev + h_dev, p_host + h_host
         model_ids = {id(p) for p in self.model.parameters()}
         model_ids.update(id(p) for p in params)
         o_dev, o_host = c.add(_optimizer_tensors(self.optimizer, model_ids))
@@ -404,6 +605,8 @@ class StepTelemetry:
         if self.held_buffers is not None:
             h_dev, h_host = c.add(self.held_buffers())
             b_dev, b_host = b_dev + h_dev, b_host + h_host
+        if self.held_bytes is not None:
+            b_dev += int(self.held_bytes())
         out = {
             "parameters_bytes": p_dev,
             "gradients_bytes": g_dev,
@@ -530,6 +733,115 @@ class StepTelemetry:
             out["plan"] = self.plan
         if self.suggestions is not None:
             out["suggestions"] = self.suggestions
+        return out
+
+
+# --- the phases of a job that are not a training step --------------------------------------------------
+
+JOB_PHASES = ("load", "eval", "checkpoint", "export", "sample")  # service/domain/records.py MemoryRecord.phase (sample: RL)
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(field.encode() + b":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark of this process's resident memory (VmHWM) to its current RSS:
+    ``echo 5 > /proc/self/clear_refs`` (Linux ≥ 4.0). False where it cannot be reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _RssSampler:
+    """Where VmHWM cannot be reset: the RSS sampled every ``interval_s`` on a thread, its maximum kept."""
+
+    def __init__(self, interval_s: float = 0.01):
+        import threading
+
+        self.peak = process_rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.peak = max(self.peak, process_rss_bytes())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, process_rss_bytes())
+
+
+class PhaseMeter:
+    """The peak memory of one rank over a phase of the job that is not a training step — loading the weights,
+    an evaluation, saving a checkpoint, the export — where users' jobs run out of memory too (peers' issues:
+    the host killed at load, eval-only and save-only out-of-memory failures).
+
+    Host: the process's peak resident memory over the phase, exact — the kernel's high-water mark (VmHWM in
+    /proc/self/status) reset when the phase starts (``reset_peak_rss``), or, where that is refused, the RSS
+    sampled every 10 ms. What is resident counts: tensors, the allocator's free pages, mapped file pages. On
+    CUDA the device's peak is the allocator's ``max_memory_allocated`` (reset at the phase's start) and
+    ``max_memory_reserved``. ``records()`` returns MemoryRecord-shaped dicts (phase = the phase's name,
+    ``process_rss_bytes`` = the host peak; the device peak and the phase's window in ``device``), which the
+    strategies send with their next report."""
+
+    def __init__(self, rank: int, device: torch.device | str):
+        self.rank = int(rank)
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self._pending: list[dict] = []
+        self.last: dict[str, dict] = {}
+
+    def measure(self, phase: str, step: int, **extra):
+        """A context manager around one phase; ``extra`` (and what the body sets on the yielded dict) goes
+        with the record."""
+        import contextlib
+
+        if phase not in JOB_PHASES:
+            raise ValueError(f"unknown job phase {phase!r}; expected one of {JOB_PHASES}")
+
+        @contextlib.contextmanager
+        def run():
+            start_rss = process_rss_bytes()
+            sampler = None if reset_peak_rss() else _RssSampler()
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+            info: dict[str, Any] = dict(extra)
+            started = time.time()
+            try:
+                yield info
+            finally:
+                if self._cuda:
+                    torch.cuda.synchronize(self.device)
+                peak = sampler.stop() if sampler is not None else max(_status_bytes("VmHWM") or 0, process_rss_bytes())
+                detail = {"started_at": started, "ended_at": time.time(), "pid": os.getpid(), "rss_start_bytes": start_rss,
+                          "rss_end_bytes": process_rss_bytes(), "peak_source": "sampled" if sampler else "VmHWM", **info}
+                if self._cuda:
+                    detail.update(max_memory_allocated=int(torch.cuda.max_memory_allocated(self.device)),
+                                  max_memory_reserved=int(torch.cuda.max_memory_reserved(self.device)))
+                record = {"kind": "memory", "rank": self.rank, "step": int(step), "phase": phase, "source": "phase",
+                          "process_rss_bytes": int(peak), "device": detail}
+                self.last[phase] = record
+                self._pending.append(record)
+
+        return run()
+
+    def records(self) -> list[dict]:
+        """The phases measured since the last call (to send with the next report)."""
+        out, self._pending = self._pending, []
         return out
 
 
@@ -677,6 +989,7 @@ def summarize_profile(events, device: torch.device, base_live_bytes: int) -> dic
     phase_peaks: dict[str, int] = {}
     activations = 0
     peak_phase = None
+    mark_live: list[tuple[str, int]] = []  # the live bytes at each mark, from the step's start (the referee's marks)
     for _, delta, mark in items:
         if mark is None:
             live += delta
@@ -685,6 +998,7 @@ def summarize_profile(events, device: torch.device, base_live_bytes: int) -> dic
         if mark == "begin":
             seg_peak, seg_start_live = live, live
             continue
+        mark_live.append((mark, live))
         phase_peaks[mark] = max(phase_peaks.get(mark, 0), seg_peak)
         if mark == "forward":
             activations = max(activations, live - seg_start_live)
@@ -701,4 +1015,5 @@ def summarize_profile(events, device: torch.device, base_live_bytes: int) -> dic
         "activations_bytes": int(activations),
         "peak_phase": peak_phase,
         "end_delta_bytes": int(live),
+        "mark_live_bytes": mark_live,
     }

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from urllib.parse import quote
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep
@@ -19,6 +21,7 @@ from api.schemas import (
     page_public,
 )
 from service.domain.errors import BadRequest, PayloadTooLarge
+from service.domain.storage import Download
 from service.jobs import files
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -103,13 +106,23 @@ def get_file(file_id: str, session: ReadSessionDep, principal: PrincipalDep):
 
 
 @router.get("/{file_id}/content", response_class=FileResponse, responses=problems(*BY_ID))
-def file_content(file_id: str, session: ReadSessionDep, principal: PrincipalDep):
+def file_content(file_id: str, session: ReadSessionDep, principal: PrincipalDep, settings: SettingsDep):
     row = files.get_file(session, principal, file_id)
-    return FileResponse(row.path, media_type="application/jsonl", filename=row.filename)
+    media = {".csv": "text/csv", ".json": "application/json"}.get(Path(row.filename).suffix, "application/jsonl")
+    return download_response(files.file_content(settings, row), filename=row.filename, media_type=media)
+
+
+def download_response(target: Path | Download, *, filename: str, media_type: str) -> Response:
+    """A file on the volume (FileResponse: ranges, ETag) or an object streamed from the bucket."""
+    if isinstance(target, Download):
+        return StreamingResponse(target.chunks(), media_type=media_type, headers={
+            "Content-Length": str(target.size),
+            "Content-Disposition": f"attachment; filename*=utf-8''{quote(filename)}"})
+    return FileResponse(target, media_type=media_type, filename=filename)
 
 
 @router.delete("/{file_id}", response_model=FileDeletedPublic, responses=problems(*BY_ID))
-def delete_file(file_id: str, session: SessionDep, principal: PrincipalDep):
-    files.delete_file(session, principal, file_id)
+def delete_file(file_id: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep):
+    files.delete_file(session, principal, file_id, settings)
     session.commit()
     return FileDeletedPublic(id=file_id)

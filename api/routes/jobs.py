@@ -26,7 +26,10 @@ from api.schemas import (
 )
 from service.domain.errors import UnprocessableEntity
 from service.jobs import crud as jobs
+from service.jobs.artifacts import stored_location
+from service.jobs.claimed_paths import located
 from service.jobs.crud import spec_version
+from service.scheduler.paths import attempt_dir
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -132,7 +135,11 @@ def list_events(job_id: str, session: ReadSessionDep, principal: PrincipalDep, a
 
 @router.get("/{job_id}/checkpoints", response_model=ListPublic[CheckpointPublic], responses=problems(*BY_ID))
 def list_checkpoints(
-    job_id: str, session: ReadSessionDep, principal: PrincipalDep, after: str | None = None, limit: Limit = 10
+    job_id: str, session: ReadSessionDep, principal: PrincipalDep, settings: SettingsDep, after: str | None = None,
+    limit: Limit = 10,
 ):
+    job = jobs.get_job(session, principal, job_id)  # its model and suffix name each checkpoint's model
     page = jobs.list_checkpoints(session, principal, job_id, after=after, limit=limit)
-    return page_public([checkpoint_public(c) for c in page], page.has_more)
+    # The database holds a checkpoint's folder relative to its attempt's (service/jobs/claimed_paths.py).
+    return page_public([checkpoint_public(c, job).model_copy(update={"path": stored_location(settings, located(
+        attempt_dir(settings, job_id, c.attempt), c.path))}) for c in page], page.has_more)

@@ -30,7 +30,8 @@ from service.jobs.crud import get_job_memory
 router = APIRouter(tags=["memory"])
 
 
-@router.post("/v1/memory/plan", summary="Predict a job's per-rank memory without creating it", response_model=Plan, responses=problems(400, 401, 404, 413, 422, 429, 503),
+@router.post("/v1/memory/plan", summary="Predict a job's per-rank memory without creating it", response_model=Plan,
+             responses=problems(400, 401, 404, 413, 422, 429, 503),
              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                  "schema": {"$ref": "#/components/schemas/JobSpec"}}}}})  # api/app.py adds JobSpec
 def plan_memory(

@@ -1,8 +1,10 @@
 """The dashboard: server-rendered HTML pages under /ui, their live-data JSON, and artifact downloads.
 
-- ``/ui/login``: a key entered once is kept in the ``memfit_key`` cookie (HttpOnly, SameSite=Strict);
-  every page and data call authenticates it like the API does (api.web_auth), so a page never shows
-  another tenant's objects (their ids are a 404 here too).
+- ``/ui/login``: a key entered once opens a session whose token the ``memfit_session`` cookie holds
+  (HttpOnly, SameSite=Strict, Secure over https; never the key itself); every page and data call
+  authenticates it through its key (api.web_auth), so a page never shows another tenant's objects
+  (their ids are a 404 here too). Every page is sent with a Content-Security-Policy (scripts and
+  styles from this origin only, no framing) and the headers that go with it (:class:`PageHeaders`).
 - ``/ui/jobs``: the jobs list, filterable by status. ``/ui/jobs/{id}``: the job page; its chart data
   is embedded as JSON (``<script type="application/json" id="page-data">``) and updated live from the
   SSE stream (api/routes/stream.py) plus ``/ui/jobs/{id}/memory.json`` for new memory samples. What
@@ -27,15 +29,16 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from api.deps import ReadSessionDep, SettingsDep
+from api.deps import ReadSessionDep, SessionDep, SettingsDep
 from api.errors import BY_ID, problems
-from api.web_auth import COOKIE, WebPrincipalDep, credentials
+from api.routes.files import download_response
+from api.web_auth import COOKIE, WebPrincipalDep, clear_session_cookie, set_session_cookie, web_principal
 from service.domain.errors import NotFound, Unauthorized
 from service.domain.states import JobStatus
 from service.domain.units import human_bytes
 from service.jobs import artifacts
 from service.jobs import crud as jobs
-from service.store.auth import authenticate
+from service.store.web_sessions import close_session, open_session
 from service.views import dashboard
 
 HERE = Path(__file__).resolve().parent.parent
@@ -83,7 +86,7 @@ def _login_redirect(request: Request) -> RedirectResponse:
 def _page_principal(request: Request, session):
     """The tenant for a page, or None (→ the login page) when there is no valid key."""
     try:
-        return authenticate(session, credentials(request))
+        return web_principal(request, session)
     except Unauthorized:
         return None
 
@@ -105,24 +108,23 @@ def _safe_next(next: str) -> str:
 
 
 @router.post("/ui/login", include_in_schema=False)
-def login(request: Request, session: ReadSessionDep, api_key: Annotated[str, Form()],
+def login(request: Request, session: SessionDep, api_key: Annotated[str, Form()],
           next: Annotated[str, Form()] = "/ui/jobs"):
-    key = api_key.strip()
     try:
-        authenticate(session, f"Bearer {key}")
+        token = open_session(session, api_key.strip())
     except Unauthorized as exc:
         return templates.TemplateResponse(request, "login.html", {"next": _safe_next(next), "error": exc.message},
                                           status_code=401)
     response = RedirectResponse(_safe_next(next), status_code=303)
-    response.set_cookie(COOKIE, key, httponly=True, samesite="strict", secure=request.url.scheme == "https",
-                        path="/", max_age=7 * 24 * 3600)
+    set_session_cookie(request, response, token)  # a session token, never the key
     return response
 
 
 @router.post("/ui/logout", include_in_schema=False)
-def logout() -> RedirectResponse:
+def logout(request: Request, session: SessionDep) -> RedirectResponse:
+    close_session(session, request.cookies.get(COOKIE))
     response = RedirectResponse("/ui/login", status_code=303)
-    response.delete_cookie(COOKIE, path="/")
+    clear_session_cookie(request, response)
     return response
 
 
@@ -154,7 +156,7 @@ def job_memory_json(job_id: str, session: ReadSessionDep, principal: WebPrincipa
                     after_id: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
     """Memory samples newer than ``after_id`` and the job's status line (the page's live updates)."""
     job = jobs.get_job(session, principal, job_id)
-    samples = dashboard.memory_samples_after(session, job_id, after_id)
+    samples = dashboard.memory_samples_after(session, job_id, after_id, job=job)
     return {"samples": samples, "status": job.status,
             "trained_tokens": job.trained_tokens,
             "estimated_finish": job.estimated_finish.timestamp() if job.estimated_finish else None}
@@ -181,7 +183,7 @@ def download_artifact(job_id: str, path: str, session: ReadSessionDep, principal
         target = artifacts.artifact_file(job, settings, path)
     except artifacts.FileNotInJob:
         raise NotFound(f"No artefact {path!r} in job {job_id}", param="path", code="file_not_found") from None
-    return FileResponse(target, filename=target.name, media_type="application/octet-stream")
+    return download_response(target, filename=target.name, media_type="application/octet-stream")
 
 
 # --- planner -----------------------------------------------------------------------------------
@@ -213,8 +215,37 @@ def _planner(request: Request, form: dict[str, str] | None):
 
 
 def install(app) -> None:
-    """Mount the static files (Chart.js, the dashboard script and stylesheet)."""
+    """Mount the static files (Chart.js, the dashboard script and stylesheet); the pages' security headers."""
     app.mount("/ui/static", static, name="ui-static")
+    app.add_middleware(PageHeaders)
+
+
+# Scripts only from this origin (the page's data is JSON in a non-executed <script type="application/json">,
+# its handlers in dashboard.js); the bars' widths are inline style attributes, hence 'unsafe-inline' for
+# styles alone. No framing by any origin (clickjacking), no <base> or plugin tricks, forms post here only.
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+       "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+PAGE_HEADERS = [(b"content-security-policy", CSP.encode()), (b"x-frame-options", b"DENY"),
+                (b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"same-origin")]
+
+
+class PageHeaders:
+    """The dashboard's security headers on every /ui response (pages, their JSON, static files, redirects)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/ui"):
+            return await self.app(scope, receive, send)
+
+        async def with_headers(message):
+            if message["type"] == "http.response.start":
+                names = {k.lower() for k, _ in message.get("headers", [])}
+                message["headers"] = [*message.get("headers", []), *(h for h in PAGE_HEADERS if h[0] not in names)]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 

@@ -78,6 +78,10 @@
                borderColor: COLORS[c], backgroundColor: COLORS[c] + "cc", borderWidth: 0,
                categoryPercentage: 0.9, barPercentage: 1.0 };
     });
+    // The plan of each step's own micro-batches, drawn under the measured bars (service/memory/step_compare.py).
+    datasets.push({ type: "line", label: "predicted (this step's micro-batches)", category: "predicted", data: [],
+                    stack: "predicted", fill: false, borderColor: "#555", borderWidth: 2, pointRadius: 0,
+                    spanGaps: true, order: -1 });
     if (mem.capacity_bytes) {
       datasets.push({ type: "line", label: mem.capacity_label, category: "capacity", data: [], stack: "capacity",
                       fill: false, borderColor: "#222", borderDash: [6, 4], pointRadius: 0, borderWidth: 2 });

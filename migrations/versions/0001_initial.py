@@ -100,7 +100,8 @@ def upgrade() -> None:
     sa.Column('memory_summary', JSON_, nullable=True),
     sa.Column('ingest_token_hash', sa.String(length=64), nullable=True),
     sa.Column('output_dir', sa.Text(), nullable=True),
-    sa.CheckConstraint("status IN ('validating_files', 'queued', 'running', 'paused', 'succeeded', 'failed', 'cancelled')", name=op.f('ck_jobs_status')),
+    sa.CheckConstraint("status IN ('validating_files', 'queued', 'running', 'paused', 'succeeded', 'failed', 'cancelled')",
+                       name=op.f('ck_jobs_status')),
     sa.ForeignKeyConstraint(['tenant_id'], ['tenants.id'], name=op.f('fk_jobs_tenant_id_tenants'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_jobs'))
     )

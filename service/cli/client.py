@@ -201,10 +201,70 @@ def jobs_memory(job_id: str, api_url: str = ApiUrl, api_key: str = ApiKey, as_js
             table.add_row(label, mib(row.get("predicted_bytes")),
                           mib(row.get("measured_bytes")), "-" if e is None else f"{e * 100:+.1f}%")
         console.print(table)
+    print_phases(report.get("phases") or {})
+    _print_steps(report)
     if report.get("capacity_bytes"):
         console.print(f"{report.get('capacity_label')}: {mib(report['capacity_bytes'])}")
     for s in report.get("suggestions") or []:
         console.print(f"  suggestion: {s.get('change')}" + (f" → {mib(s['predicted_peak_bytes'])}" if s.get("predicted_peak_bytes") else ""))
+
+
+def print_phases(ph: dict) -> None:
+    """The job's phases (load, step, eval, checkpoint, export): planned per rank and measured on each rank,
+    and which phase peaks, by how much above the next (service/memory/compare.py phase_view)."""
+    if not ph or not (ph.get("planned") or ph.get("measured")):
+        return
+    planned, measured = ph.get("planned") or {}, ph.get("measured") or {}
+    cols = ["phase", "planned device", "planned host"]
+    for r in measured:
+        cols += [f"rank {r} host", f"rank {r} device"]
+    table = Table(*cols, title="by phase of the job", title_justify="left")
+    for name in ph.get("phases") or []:
+        pl = planned.get(name) or {}
+        label = name + (" (does not fit)" if pl.get("fits") is False else "")
+        row = [label, mib(pl.get("device_bytes")), mib(pl.get("host_bytes"))]
+        for phases in measured.values():
+            m = phases.get(name) or {}
+            row += [mib(m.get("host_bytes")), mib(m.get("device_bytes"))]
+        table.add_row(*row)
+    console.print(table)
+
+    def lead(x) -> str:
+        return f" ({x * 100:.1f}% above the next phase)" if x is not None else ""
+
+    for side in ("device", "host"):
+        peak = (ph.get("planned_peak") or {}).get(side) or {}
+        if peak.get("phase"):
+            console.print(f"planned {side} peak: {peak['phase']}{lead(peak.get('above_next'))}")
+    for r, mp in (ph.get("measured_peak") or {}).items():
+        for side in ("device", "host"):
+            peak = mp.get(side) or {}
+            if peak.get("phase"):
+                console.print(f"rank {r} measured {side} peak: {peak['phase']}{lead(peak.get('above_next'))}")
+def _print_steps(report: dict) -> None:
+    """Each measured step against the plan of its own micro-batches, per rank, and what the planner said of the
+    run before it started (the memory view's ``steps`` and ``predicted_run``)."""
+    run = report.get("predicted_run") or {}
+    peak = run.get("peak")
+    if peak:
+        rows = ", ".join(str(n) for n in sorted(peak["row_tokens"], reverse=True))
+        console.print(f"planned peak: step {peak['step']} on rank {peak['rank']} (rows of {rows} tokens), "
+                      f"{mib(peak['predicted_live_bytes'])}" + (f"; {run['steps_at_peak']} (step, rank) pairs at it"
+                                                               if run.get("steps_at_peak", 0) > 1 else ""))
+    steps = (report.get("steps") or {}).get("by_rank") or {}
+    if not steps:
+        return
+    table = Table("rank", "steps", "worst step", "predicted", "measured", "error", "measured peak step",
+                  title="each step against its own micro-batches' plan", title_justify="left")
+    for rank, r in steps.items():
+        w = r["worst"]
+        table.add_row(rank, str(r["steps_compared"]), str(w["step"]), mib(w["predicted_bytes"]), mib(w["measured_bytes"]),
+                      f"{w['error'] * 100:+.2f}%", str(r.get("measured_peak_step")))
+    console.print(table)
+    bound = report["steps"].get("bound") or {}
+    ok = report["steps"].get("within_bound")
+    console.print(f"every step within {bound.get('under', 0) * 100:+.0f}%…{bound.get('over', 0) * 100:+.0f}%: "
+                  + ("yes" if ok else "no"))
 
 
 # --- follow (SSE) --------------------------------------------------------------------------------

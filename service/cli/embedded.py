@@ -69,7 +69,8 @@ def make_scheduler(settings: Settings, ray, sessions=None):
     from service.store import db
 
     if sessions is None:
-        sessions = db.make_sessionmaker(db.make_engine(settings.database_url, pool_size=4))
+        sessions = db.make_sessionmaker(db.make_engine(
+            settings.database_url, pool_size=4, timeouts=db.DbTimeouts.from_settings(settings)))
     return Scheduler(sessions, settings, ray)
 
 
@@ -104,7 +105,7 @@ def background_scheduler(settings: Settings, *, ray_log: Path | None = None,
             ray = ray_jobs_for(settings, head)
             while not stop.is_set():
                 try:
-                    ray.client  # connects: the Jobs API answered
+                    _ = ray.client  # connects: the Jobs API answered
                     break
                 except Exception as exc:  # noqa: BLE001 - RayUnavailable: try again shortly
                     readiness.mark(settings, False, f"cannot reach the Ray Jobs API at {ray.address}: {exc}")
@@ -178,7 +179,8 @@ def scheduler_main(settings: Settings) -> None:
     with command_lifetime(run_dir(settings), "memfit scheduler"):
         ray, head = ray_for(settings)
         try:
-            sessions = db.make_sessionmaker(db.make_engine(settings.database_url, pool_size=4))
+            sessions = db.make_sessionmaker(db.make_engine(
+                settings.database_url, pool_size=4, timeouts=db.DbTimeouts.from_settings(settings)))
             scheduler = Scheduler(sessions, settings, ray)
             stop = threading.Event()
             # Once running, a signal ends the loop at its next turn (leases released), not mid-step.
@@ -238,7 +240,8 @@ class EmbeddedService:
             try:
                 self.app = create_app(self.settings)
                 config = uvicorn.Config(WakeSchedulerOnPost(self.app), host=self.host, port=self.port,
-                                        log_level="warning", lifespan="on")
+                                        log_level="warning", lifespan="on", proxy_headers=True,
+                                        forwarded_allow_ips=self.settings.forwarded_allow_ips)
                 self._server = uvicorn.Server(config)
                 self._server_thread = threading.Thread(target=self._server.run, name="memfit-api", daemon=True)
                 self._server_thread.start()
@@ -253,6 +256,8 @@ class EmbeddedService:
                 self.head = ray_box.get("head")
             if "error" in ray_box:
                 raise ray_box["error"]
+            if self.head is not None and self.app.state.inference.apps is None:  # serving on the head we started
+                self.app.state.inference.attach(self.head.dashboard_url)
             self.scheduler = make_scheduler(self.settings, ray_box["ray"], sessions=self.app.state.sessions)
             self._sched_thread, self._sched_stop = start_in_thread(self.scheduler)
         except BaseException:  # an error or a signal half-way: stop what did start (the Ray head above all)

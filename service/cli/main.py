@@ -38,13 +38,17 @@ def serve(
     from service.settings import get_settings
 
     settings = get_settings()  # refuse unsafe settings before binding the port
+    # Behind a proxy (an Ingress): the client address and scheme it forwards are believed from the
+    # addresses MEMFIT_FORWARDED_ALLOW_IPS names only (rate limits key on the address; the cookie is Secure over https).
+    proxy = {"proxy_headers": True, "forwarded_allow_ips": settings.forwarded_allow_ips}
     # uvicorn re-raises the SIGTERM it shut down for with the default handler, which would end this
     # process before any `finally` here; command_lifetime turns it into an exception we unwind with.
     with command_lifetime(run_dir(settings), "memfit serve") as own:
         if own.reaped:  # a killed serve's workers held this port: let the kernel close it
             _wait_port_free(host, port, timeout_s=15)
         if not settings.scheduler_enabled:
-            uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
+            uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level,
+                        **proxy)
             return
         from service.cli.embedded import (  # the scheduler (+ local Ray head)
             background_scheduler,
@@ -56,7 +60,7 @@ def serve(
         with background_scheduler(with_api_url(settings, host, port), after_api=f"http://{reach}:{port}"):
             # The booting app answers /healthz while the real one is built (service/cli/embedded.py).
             uvicorn.run("service.cli.embedded:booting_app", factory=True, host=host, port=port, workers=workers,
-                        log_level=log_level)
+                        log_level=log_level, **proxy)
 
 
 def _wait_port_free(host: str, port: int, timeout_s: float) -> None:
@@ -88,7 +92,7 @@ def _sessions():
     ensure_dirs(settings)
     if settings.is_sqlite:
         db.upgrade(settings.database_url)
-    return db.make_sessionmaker(db.make_engine(settings.database_url))
+    return db.make_sessionmaker(db.make_engine(settings.database_url, timeouts=db.DbTimeouts.from_settings(settings)))
 
 
 @keys_app.command("create")
@@ -159,6 +163,11 @@ from service.cli.client import files_app, jobs_app, plan_command  # noqa: E402 -
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(files_app, name="files")
 app.command("plan")(plan_command)
+
+from service.cli.chat import chat as chat_command, models as models_command  # noqa: E402 - served models (docs/serving.md)
+
+app.command("chat")(chat_command)
+app.command("models")(models_command)
 
 
 def main() -> None:

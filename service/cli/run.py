@@ -172,7 +172,7 @@ def _model_paths(http: httpx.Client, job: dict) -> list[str]:
     out = []
     for file_id in job.get("result_files") or []:
         r = http.get(f"/v1/files/{file_id}/content")
-        if r.status_code == 200:
+        if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json"):
             artifacts = r.json().get("artifacts") or {}
             for name in ("adapter", "model", "merged", "merged_model"):
                 if name in artifacts:

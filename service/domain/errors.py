@@ -187,6 +187,16 @@ class StorageFull(DomainError):
     status, code, title, openai_type = 507, "storage_full", "Insufficient storage", "server_error"
 
 
+class StorageUnavailable(DomainError):
+    """The object store (MEMFIT_STORAGE_URL) did not answer or refused the request: 503, retryable;
+    nothing was recorded."""
+
+    status, code, title, openai_type, retryable = 503, "storage_unavailable", "Service unavailable", "server_error", True
+
+    def __init__(self, message: str):
+        super().__init__(message, headers={"Retry-After": "5"})
+
+
 class DatabaseUnavailable(DomainError):
     """The database cannot be reached (refused, or closed by a restarting server) by a read that
     goes to the driver directly (service/store/reads.py): 503, retryable, as api/errors.py answers

@@ -185,6 +185,80 @@ class HostPlan(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
+class DiskPlan(BaseModel):
+    """What ZeRO-Infinity's offload to a local disk writes (service/memory/nvme.py): per rank and per node, and the
+    node's free space at ``path`` where this host can see it."""
+
+    path: str
+    per_rank_bytes: int = Field(description="The offloaded states one rank swaps to the disk.")
+    ranks_on_node: int = Field(description="Ranks that share one node's disk (its GPUs or CPUs, at most the job's).")
+    node_bytes: int
+    free_bytes: int | None = Field(None, description="Free space at path on the API's host (None: not seen here).")
+    checked: bool = False
+    fits: bool | None = None
+    host_buffer_bytes: int = Field(0, description="A rank's host swap buffers (part of the plan's host column).")
+    notes: list[str] = Field(default_factory=list)
+
+
+JOB_PHASES = ("load", "step", "eval", "checkpoint", "export")  # the phases of a job a rank can run out of memory in
+
+
+class PhasePeak(BaseModel):
+    """One rank's predicted peak in one phase of the job (service/memory/phases.py)."""
+
+    device_bytes: int | None = Field(None, description="GPU memory at the phase's peak (allocator overhead "
+                                                       "included); None on a CPU worker, whose device is its host.")
+    host_bytes: int = Field(description="Host memory of the rank's process at the phase's peak (the process itself "
+                                        "included); rank 0's for the export.")
+    fits: bool | None = Field(None, description="Whether the phase fits the rank's capacity (None: not known).")
+    note: str = ""
+
+
+class JobPhases(BaseModel):
+    """Per rank, the predicted peak of each phase of the job — loading the weights, the training step, an
+    evaluation, saving a checkpoint, the export — and which phase is the highest, on the device and on the host."""
+
+    phases: dict[str, PhasePeak] = Field(default_factory=dict)
+    device_peak_phase: str | None = None
+    host_peak_phase: str | None = None
+    fits: bool | None = Field(None, description="Every phase fits (None: some capacity is not known).")
+class StepPeak(BaseModel):
+    """One rank's micro-batch at one step, as the planner predicts it (service/memory/steps.py): which rows the
+    shared order (service/domain/sampling.py) deals it, how wide collate pads them, and the plan of that
+    micro-batch."""
+
+    step: int = Field(description="Optimizer step, counted from 1 as the telemetry reports it.")
+    rank: int
+    micro_batch: int = Field(description="Which micro-batch of the step (accumulation), from 0.")
+    rows: list[int] = Field(description="The training rows it holds (indices into the file's rows after truncation "
+                                        "or packing).")
+    row_tokens: list[int] = Field(description="Each row's tokens.")
+    width: int = Field(description="The padded width: its longest row.")
+    padded: bool = Field(description="It holds rows shorter than its width (attention runs with a padding mask).")
+    predicted_peak_bytes: int = Field(description="The plan of this micro-batch's step: its peak_bytes.")
+    predicted_live_bytes: int = Field(description="The same, as the telemetry measures it (the GPU overhead taken "
+                                                  "out): the figure a measured step is compared with.")
+
+
+class RankRunPeak(BaseModel):
+    rank: int
+    step: int
+    predicted_live_bytes: int
+
+
+class StepsPlan(BaseModel):
+    """Every step of the run, per rank, before it runs: the run's peak with its step and rows."""
+
+    planned: bool = Field(description="False: the steps were not enumerated (reason says why) and the plan is the "
+                                      "data's worst micro-batch.")
+    reason: str
+    total_steps: int | None = None
+    ranks: int | None = Field(None, description="Ranks predicted (every worker).")
+    peak: StepPeak | None = Field(None, description="The run's worst step, the first when several tie.")
+    steps_at_peak: int | None = Field(None, description="(step, rank) pairs predicted at the run's peak.")
+    per_rank: list[RankRunPeak] = Field(default_factory=list, description="Each rank's worst step.")
+
+
 class Plan(BaseModel):
     """A job's predicted per-rank memory (the fullest rank's where ranks differ).
 
@@ -223,6 +297,12 @@ class Plan(BaseModel):
     accuracy_source: str | None = Field(None, description="Where accuracy_margin was measured.")
     # Added with host memory per node (service/memory/host.py); None on plans stored before.
     host_memory: HostPlan | None = Field(None, description="Host memory per rank and on the fullest node.")
+    # Added with memory by phase (service/memory/phases.py); None on plans stored before.
+    job_phases: JobPhases | None = Field(None, description="Per rank, the peak of each phase of the job (load, "
+                                                           "step, eval, checkpoint, export) and which is highest.")
+    disk: DiskPlan | None = Field(None, description="ZeRO-Infinity's offload to a local disk (nvme), when asked.")
+    # Added with step-by-step plans (service/memory/steps.py); None on plans stored before and without data.
+    steps: StepsPlan | None = Field(None, description="Each step's peak per rank, the run's peak step and rows.")
 
     @model_serializer(mode="wrap")
     def _without_unset_additions(self, handler):
@@ -255,7 +335,7 @@ class Plan(BaseModel):
 
 
 ADDED_FIELDS = ("data", "at_max_seq_length", "accuracy_margin", "accuracy_margin_bytes", "accuracy_source",
-                "host_memory")
+                "host_memory", "steps", "job_phases", "disk")
 
 
 def read_plan(value: Any) -> Plan | None:

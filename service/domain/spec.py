@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.domain.elastic import WorldPlan
+from service.domain.graders import Grader
+from service.domain.model_names import check_suffix
 from service.domain.training import MERGEABLE_PEFT, TENSOR_PEFT
+from service.domain.storage import ObjectStore
 
 
 class Strict(BaseModel):
@@ -77,15 +80,86 @@ class Supervised(Strict):
     hyperparameters: OpenAIHyperparameters = Field(default_factory=OpenAIHyperparameters)
 
 
+DEFAULT_DPO_BETA = 0.1  # 'auto': the DPO paper's and TRL's default
+
+
+def dpo_beta(beta: Union[Literal["auto"], float]) -> float:
+    """DPO's β with 'auto' worked out."""
+    return DEFAULT_DPO_BETA if beta == "auto" else float(beta)
+
+
+class DpoHyperparameters(OpenAIHyperparameters):
+    beta: Union[Auto, float] = Field(
+        "auto", description="DPO's β: how far the policy may move from the reference (the loss is "
+                            "−log σ(β·((log π_c − log ref_c) − (log π_r − log ref_r)))); 'auto' is 0.1. Within (0, 2].")
+
+    @field_validator("beta")
+    @classmethod
+    def _beta(cls, v):
+        if v != "auto" and not 0 < v <= 2:
+            raise ValueError("beta must be in (0, 2]")
+        return v
+
+
+class Dpo(Strict):
+    hyperparameters: DpoHyperparameters = Field(default_factory=DpoHyperparameters)
+
+
+DEFAULT_SAMPLES_PER_PROMPT = 4  # compute_multiplier 'auto' (training.rl.samples_per_prompt's default)
+
+
+class ReinforcementHyperparameters(OpenAIHyperparameters):
+    eval_interval: Union[Auto, int] = Field(
+        "auto", description="Training steps between evaluations of the validation file (its mean reward); 'auto': "
+                            "training.eval_every_steps (about four per run).")
+    eval_samples: Union[Auto, int] = Field(
+        "auto", description="Samples per validation prompt at each evaluation; 'auto' is 1.")
+    compute_multiplier: Union[Auto, float] = Field(
+        "auto", description="Scales the samples drawn per prompt each step: training.rl.samples_per_prompt × it, "
+                            "at least 2 (a group needs two to compare); 'auto' is 1.")
+    reasoning_effort: Literal["default", "low", "medium", "high"] = Field(
+        "default", description="OpenAI's reasoning models' effort; memfit's models do not reason: only 'default'.")
+
+    @field_validator("eval_interval", "eval_samples")
+    @classmethod
+    def _positive(cls, v):
+        if v != "auto" and not 1 <= v <= 1_000_000:
+            raise ValueError("must be between 1 and 1000000")
+        return v
+
+    @field_validator("compute_multiplier")
+    @classmethod
+    def _compute(cls, v):
+        if v != "auto" and not 0 < v <= 10:
+            raise ValueError("compute_multiplier must be in (0, 10]")
+        return v
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _effort(cls, v):
+        if v != "default":
+            raise ValueError(f"reasoning_effort {v!r} is not supported: memfit's models do not reason; leave it "
+                             "'default'")
+        return v
+
+
+class Reinforcement(Strict):
+    grader: Grader = Field(..., description="How each sample is scored (service/domain/graders.py): string_check, "
+                                            "text_similarity, python, score_model or multi.")
+    hyperparameters: ReinforcementHyperparameters = Field(default_factory=ReinforcementHyperparameters)
+
+
 class Method(Strict):
     type: Literal["supervised", "dpo", "reinforcement"] = Field(
         "supervised",
-        description="Only 'supervised' runs; 'dpo' and 'reinforcement' are OpenAI's names, refused by check_rules.",
+        description="'supervised' (chat, prompt/completion or text rows), 'dpo' (preference rows: input, "
+                    "preferred_output, non_preferred_output) or 'reinforcement' (prompt rows and a grader: "
+                    "workers/rl.py).",
     )
     supervised: Supervised = Field(default_factory=Supervised)
-    dpo: dict[str, Any] | None = Field(None, description="OpenAI's DPO settings; memfit does not offer DPO.")
-    reinforcement: dict[str, Any] | None = Field(
-        None, description="OpenAI's reinforcement settings; memfit does not offer reinforcement fine-tuning."
+    dpo: Dpo | None = Field(None, description="Direct preference optimization's hyperparameters (method.type 'dpo').")
+    reinforcement: Reinforcement | None = Field(
+        None, description="Reinforcement fine-tuning's grader and hyperparameters (method.type 'reinforcement')."
     )
 
 
@@ -96,11 +170,40 @@ class WandbIntegration(Strict):
     tags: list[str] | None = Field(None, max_length=64, description="Tags attached to the run.")
 
 
-class Integration(Strict):
-    """OpenAI's integration object. memfit stores and echoes it; it has no network to send runs to W&B."""
+class MlflowIntegration(Strict):
+    tracking_uri: str | None = Field(
+        None, max_length=2048,
+        description="An MLflow tracking server (http:// or https://); None: a store in the job's own folder, served "
+                    "with its artefacts (mlruns/). A path on the server's disk cannot be named.")
+    experiment: str = Field("memfit", min_length=1, max_length=256, description="The MLflow experiment of the run.")
+    run_name: str | None = Field(None, max_length=256, description="The run's name; None: the job id.")
 
-    type: Literal["wandb"] = Field(..., description="The only integration OpenAI defines.")
-    wandb: WandbIntegration = Field(..., description="Where OpenAI would send the run's metrics.")
+    @field_validator("tracking_uri")
+    @classmethod
+    def _uri(cls, v):
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("tracking_uri must be an http:// or https:// URL (leave it out for a store in the job's folder)")
+        return v
+
+
+class Integration(Strict):
+    """OpenAI's integration object (W&B), and memfit's MLflow beside it. Each runs where the job's metrics are
+    gathered (workers/integrations.py): every step's metrics, the config and the final summary."""
+
+    type: Literal["wandb", "mlflow"] = Field(..., description="'wandb' (OpenAI's) or 'mlflow' (memfit's extension).")
+    wandb: WandbIntegration | None = Field(
+        None, description="The W&B run. Online where the server has WANDB_API_KEY, else offline into the job's folder "
+                          "(wandb/, an artefact `wandb sync` uploads later).")
+    mlflow: MlflowIntegration | None = Field(None, description="The MLflow run (type 'mlflow').")
+
+    @model_validator(mode="after")
+    def _its_object(self):
+        if getattr(self, self.type) is None:
+            raise ValueError(f"an integration of type {self.type!r} needs its {self.type!r} object")
+        other = "mlflow" if self.type == "wandb" else "wandb"
+        if getattr(self, other) is not None:
+            raise ValueError(f"{other!r} belongs to an integration of type {other!r}")
+        return self
 
 
 # --- memfit's extension: `training` -----------------------------------------------------------
@@ -152,7 +255,8 @@ class TrainingHyperparameters(Strict):
     warmup_steps: int = Field(0, ge=0, le=1_000_000, description="Linear warm-up steps before cosine decay.")
     weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; None disables.")
-    packing: bool = Field(False, description="Pack several examples into each max_seq_length row.")
+    packing: bool = Field(False, description="Pack several examples into each max_seq_length row; each keeps its own "
+                                             "positions and attends only to itself (a block-diagonal causal mask).")
 
 
 class FSDPOptions(Strict):
@@ -166,8 +270,13 @@ class FSDPOptions(Strict):
 
 class DeepSpeedOptions(Strict):
     zero_stage: int = Field(2, ge=0, le=3, description="ZeRO stage: 0 none, 1 optimizer, 2 +grads, 3 +params.")
-    offload_optimizer: Literal["none", "cpu"] = Field("none", description="Optimizer states to host memory.")
-    offload_param: Literal["none", "cpu"] = Field("none", description="Parameters to host memory (stage 3 only).")
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field("none", description=(
+        "Optimizer states to host memory (cpu) or to a local disk (nvme: ZeRO-Infinity, stage 3, needs nvme_path)."))
+    offload_param: Literal["none", "cpu", "nvme"] = Field("none", description=(
+        "Parameters to host memory (cpu) or to a local disk (nvme: ZeRO-Infinity, needs nvme_path); stage 3 only."))
+    nvme_path: str | None = Field(None, max_length=1024, description=(
+        "nvme offload: an absolute path to a directory on a local disk, the same path on every node; each job "
+        "writes its ranks' swap files under <nvme_path>/memfit/<job>/ and removes them when it ends."))
     reduce_bucket_elements: int | None = Field(
         None,
         ge=1,
@@ -234,6 +343,31 @@ class Resources(Strict):
     )
 
 
+class RLOptions(Strict):
+    """memfit's knobs of reinforcement fine-tuning (method.type 'reinforcement', workers/rl.py)."""
+
+    samples_per_prompt: int = Field(
+        DEFAULT_SAMPLES_PER_PROMPT, ge=2, le=256,
+        description="n: completions sampled per prompt each step, the group whose rewards are normalised into "
+                    "advantages (method.reinforcement.hyperparameters.compute_multiplier scales it).")
+    max_completion_tokens: int = Field(64, ge=1, le=65536, description="Longest sampled completion, in tokens.")
+    temperature: float = Field(1.0, gt=0, le=2, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling's mass.")
+    clip_epsilon: float = Field(0.2, gt=0, le=1, description="PPO's clip of the probability ratio (1 ± ε).")
+    kl_coef: float = Field(0.0, ge=0, le=10, description="Weight of the KL penalty to the reference (k3 estimator); "
+                                                           "0: no reference is held or run.")
+    reference: Literal["auto", "adapter_disabled", "frozen_copy"] = Field(
+        "auto", description="The KL term's reference (kl_coef > 0): the PEFT base with its adapter disabled (no "
+                            "second model) or a frozen copy of the base; auto: adapter_disabled with LoRA-like PEFT.")
+    sampler_memory_fraction: float | None = Field(
+        None, gt=0, le=1,
+        description="Cap the sampler's KV cache at this fraction of the worker's memory: the prompts of a "
+                    "micro-batch are sampled in as many rounds as it takes (service/memory/rl.py). None: one round.")
+    grader_timeout_s: float = Field(30.0, gt=0, le=3600, description="A python grader's wall-clock limit per batch.")
+    grader_memory_bytes: int = Field(512 * 2**20, ge=64 * 2**20, le=64 * 2**30,
+                                     description="A python grader's address-space limit.")
+
+
 class TrainingOptions(Strict):
     hyperparameters: TrainingHyperparameters = Field(default_factory=TrainingHyperparameters)
     strategy: StrategyName = Field(StrategyName.ddp, description="How model state is split across workers.")
@@ -259,6 +393,20 @@ class TrainingOptions(Strict):
         MemoryPolicy.reject, description="A job predicted not to fit: reject it, auto-fix it, or ignore."
     )
     checkpoint_every_steps: int = Field(50, ge=1, le=1_000_000, description="Ray Train checkpoint cadence.")
+    dpo_reference: Literal["auto", "adapter_disabled", "frozen_copy", "precomputed"] = Field(
+        "auto",
+        description="method.type 'dpo': the reference model's log-probabilities. adapter_disabled: the PEFT base "
+                    "without its adapter (no second model); frozen_copy: a second, frozen copy of the base (ddp, "
+                    "fsdp); precomputed: computed once before training, by the model before its first step, and "
+                    "kept (16 bytes a pair; no reference forward during training). auto: adapter_disabled with "
+                    "LoRA-like PEFT, precomputed otherwise.")
+    rl: RLOptions = Field(default_factory=RLOptions, description="method.type 'reinforcement': sampling, the loss, "
+                                                                 "the reference and the graders' limits.")
+    eval_every_steps: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Evaluate the validation file (loss and mean token accuracy) every this many steps, whatever the "
+                    "checkpoints, and after the last step (then also OpenAI's full_valid_loss); None: about four "
+                    "times per run (service/domain/training.py eval_interval).")
     max_failures: int = Field(
         1, ge=0, le=100,
         description="Worker-group restarts from the latest checkpoint (after a worker fails, or the run stalls).")
@@ -275,9 +423,16 @@ class TrainingOptions(Strict):
     max_downshifts: int = Field(
         2, ge=1, le=8,
         description="How many times on_oom: downshift may change the job before an out-of-memory failure ends it.")
+    memory_alarm: Literal["warn", "stop"] = Field(
+        "warn",
+        description="A rank whose measured memory departs from its step's plan by more than the strategy's measured "
+                    "margin, or grows from step to step (a leak): warn (a job event naming the rank, the category and "
+                    "how much), or stop — the same event, then the job ends failed (error code memory_alarm) before "
+                    "it runs out of memory.")
     telemetry_every_steps: int = Field(1, ge=1, le=100_000, description="Metrics and memory sample cadence.")
     memory_trace_every_steps: int = Field(
-        10, ge=1, le=100_000, description="Cadence of the exact per-category memory trace (every allocation of one step, recorded by the profiler: a few % of that step on CPU)."
+        10, ge=1, le=100_000, description="Cadence of the exact per-category memory trace (every allocation of one step, "
+                                         "recorded by the profiler: a few % of that step on CPU)."
     )
 
 
@@ -290,11 +445,15 @@ class JobSpec(Strict):
     )
     training_file: str = Field(..., min_length=1, max_length=128, description="A file id from POST /v1/files.")
     validation_file: str | None = Field(None, max_length=128, description="A file id for eval loss.")
-    suffix: str | None = Field(None, max_length=64, description="Added to the fine-tuned model's name.")
+    suffix: str | None = Field(
+        None, max_length=64,
+        description="Added to the fine-tuned model's name, ft:{model}:{suffix}:{job id} (service/domain/model_names.py); "
+                    "up to 64 letters, digits, '-' and '_'.")
     seed: int | None = Field(None, ge=0, le=2**31 - 1, description="Random seed; None picks one.")
     metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs.")
     integrations: list[Integration] | None = Field(
-        None, max_length=16, description="Stored and echoed; memfit cannot reach W&B, so a job says so in a warn event."
+        None, max_length=16, description="Where the run's metrics also go: W&B (OpenAI's) and MLflow (memfit's); "
+                                         "workers/integrations.py."
     )
     hyperparameters: OpenAIHyperparameters | None = Field(
         None, description="Deprecated by OpenAI in favour of method.supervised.hyperparameters."
@@ -319,15 +478,22 @@ class JobSpec(Strict):
     @field_validator("suffix")
     @classmethod
     def _suffix(cls, v):
-        if v is not None and not all(c.isalnum() or c in "-_" for c in v):
-            raise ValueError("suffix may hold only letters, digits, '-' and '_'")
-        return v
+        return check_suffix(v)  # what a model name can carry (service/domain/model_names.py)
 
     # --- derived values: what the workers and the planner actually use --------------------
 
     @property
     def openai_hyperparameters(self) -> OpenAIHyperparameters:
+        if self.method.type == "dpo":
+            return (self.method.dpo or Dpo()).hyperparameters
+        if self.method.type == "reinforcement" and self.method.reinforcement is not None:
+            return self.method.reinforcement.hyperparameters
         return self.hyperparameters or self.method.supervised.hyperparameters
+
+    @property
+    def method_key(self) -> str:
+        """Where the method's hyperparameters live: method.supervised, method.dpo or method.reinforcement."""
+        return self.method.type if self.method.type in ("dpo", "reinforcement") else "supervised"
 
     def resolved(self) -> "Resolved":
         """The numbers a run uses, with every 'auto' replaced. A stored spec states them (derive() made
@@ -466,7 +632,7 @@ def split_batch(spec: JobSpec) -> BatchSplit:
     given = hp.model_fields_set
     micro = hp.micro_batch_size if "micro_batch_size" in given else None
     accumulation = hp.gradient_accumulation_steps if "gradient_accumulation_steps" in given else None
-    where = "hyperparameters" if spec.hyperparameters is not None else "method.supervised.hyperparameters"
+    where = "hyperparameters" if spec.hyperparameters is not None else f"method.{spec.method_key}.hyperparameters"
     param = f"{where}.batch_size"
     workers = _plural(dp, "data-parallel worker")
 
@@ -530,7 +696,7 @@ def derive(spec: JobSpec, *, training_examples: int | None = None, seed: int | N
     - learning_rate_multiplier 'auto' → 1.0; the run's rate is training.hyperparameters.learning_rate × it;
     - n_epochs 'auto' → auto_epochs(training_examples);
     - seed unset → ``seed`` (when given);
-    - integrations are kept as given; memfit has no network to W&B, which a warn event says.
+    - integrations are kept as given (they run with the job: workers/integrations.py).
 
     Each is a Derivation, for a job event. Raises SpecError when the caller's own values conflict
     (validate_spec has already refused those; check_rules reports the same problems).
@@ -575,17 +741,88 @@ def derive(spec: JobSpec, *, training_examples: int | None = None, seed: int | N
     if spec.seed is None and seed is not None:
         body["seed"] = seed
         out.append(Derivation(f"seed not given → {seed}", {"derived": "seed", "seed": seed}))
-    for integration in spec.integrations or []:
-        out.append(Derivation(
-            f"integration {integration.type} (project {integration.wandb.project!r}) is stored but not run: "
-            "memfit has no network to Weights & Biases; the metrics are in this job's events and result file",
-            {"integration": integration.type, "project": integration.wandb.project, "enabled": False}, level="warn"))
     body["hyperparameters"] = None
-    body["method"]["supervised"]["hyperparameters"] = {
-        "n_epochs": n_epochs, "batch_size": oh.batch_size, "learning_rate_multiplier": multiplier}
+    written = {"n_epochs": n_epochs, "batch_size": oh.batch_size, "learning_rate_multiplier": multiplier}
+    if spec.method.type == "dpo":
+        written["beta"] = dpo_beta(oh.beta)
+        body["method"]["dpo"] = {"hyperparameters": written}
+    elif spec.method.type == "reinforcement":
+        out += _derive_reinforcement(spec, body, written)
+    else:
+        body["method"]["supervised"]["hyperparameters"] = written
     body["training"]["hyperparameters"].update(
         micro_batch_size=split.micro_batch_size, gradient_accumulation_steps=split.gradient_accumulation_steps)
     return Derived(JobSpec.model_validate(body), out)
+
+
+def _derive_reinforcement(spec: JobSpec, body: dict, written: dict) -> list[Derivation]:
+    """RL's OpenAI knobs made explicit: compute_multiplier → training.rl.samples_per_prompt, eval_interval →
+    training.eval_every_steps, eval_samples 'auto' → 1."""
+    oh = spec.openai_hyperparameters
+    rl = spec.training.rl
+    out = []
+    multiplier = 1.0 if oh.compute_multiplier == "auto" else float(oh.compute_multiplier)
+    n = max(2, min(256, round(rl.samples_per_prompt * multiplier)))
+    body["training"]["rl"]["samples_per_prompt"] = n
+    out.append(Derivation(f"compute_multiplier {oh.compute_multiplier} → {n} samples per prompt "
+                          f"(training.rl.samples_per_prompt {rl.samples_per_prompt} × {multiplier:g})",
+                          {"derived": "samples_per_prompt", "compute_multiplier": multiplier, "samples_per_prompt": n}))
+    eval_interval = oh.eval_interval
+    if eval_interval != "auto":
+        body["training"]["eval_every_steps"] = int(eval_interval)
+    else:
+        eval_interval = spec.training.eval_every_steps or "auto"
+    eval_samples = 1 if oh.eval_samples == "auto" else int(oh.eval_samples)
+    written.update(eval_interval=eval_interval, eval_samples=eval_samples, compute_multiplier=multiplier,
+                   reasoning_effort=oh.reasoning_effort)
+    body["method"]["reinforcement"]["hyperparameters"] = written
+    return out
+
+
+def rl_reference_mode(t: "TrainingOptions") -> str:
+    """The KL term's reference: 'none' when training.rl.kl_coef is 0, else training.rl.reference with 'auto'
+    worked out (adapter_disabled for LoRA-like PEFT, frozen_copy for a full fine-tune)."""
+    if t.rl.kl_coef == 0:
+        return "none"
+    if t.rl.reference != "auto":
+        return t.rl.reference
+    if t.peft.method not in (PeftMethod.none, PeftMethod.prefix_tuning, PeftMethod.prompt_tuning):
+        return "adapter_disabled"
+    return "frozen_copy"
+
+
+def rl_rules(spec: JobSpec) -> list[FieldProblem]:
+    """method.type 'reinforcement' with the rest of the spec (workers/rl.py runs it; service/memory/rl.py plans it)."""
+    t = spec.training
+    out: list[FieldProblem] = []
+
+    def bad(param: str, message: str) -> None:
+        out.append(FieldProblem(param=param, message=message))
+
+    if spec.method.reinforcement is None:
+        bad("method.reinforcement", "method.type 'reinforcement' needs method.reinforcement with its grader")
+    if spec.hyperparameters is not None:
+        bad("hyperparameters", "give the hyperparameters under method.reinforcement.hyperparameters")
+    if t.strategy != StrategyName.ddp:
+        bad("training.strategy", f"reinforcement fine-tuning runs with strategy ddp (the sampler generates with the "
+                                 f"whole policy on each rank), not {t.strategy.value}")
+    if t.peft.method in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning, PeftMethod.qlora):
+        bad("training.peft.method", f"{t.peft.method.value} is not built into reinforcement fine-tuning's sampler; "
+                                    "use lora, ia3, loha, lokr or none")
+    for name, on in (("loss_chunk_tokens", t.loss_chunk_tokens is not None), ("hyperparameters.packing",
+                     t.hyperparameters.packing), ("qat.enabled", t.qat.enabled),
+                     ("activation_offload", t.activation_offload)):
+        if on:
+            bad(f"training.{name}", f"training.{name} is not built into reinforcement fine-tuning; leave it unset")
+    mode = rl_reference_mode(t)
+    if mode == "adapter_disabled" and t.peft.method == PeftMethod.none:
+        bad("training.rl.reference", "adapter_disabled needs a PEFT method (the base without the adapter is the "
+                                     "reference); use frozen_copy for a full fine-tune, or kl_coef 0")
+    if t.rl.max_completion_tokens >= t.hyperparameters.max_seq_length:
+        bad("training.rl.max_completion_tokens", f"max_completion_tokens ({t.rl.max_completion_tokens}) leaves no "
+                                                 f"room for the prompt within training.hyperparameters.max_seq_length "
+                                                 f"({t.hyperparameters.max_seq_length})")
+    return out
 
 
 # --- cross-field rules ------------------------------------------------------------------------
@@ -603,10 +840,10 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
     ds = t.deepspeed
     peft = t.peft.method
 
-    if spec.method.type != "supervised":
-        problems.append(FieldProblem(
-            param="method.type", code="unsupported_method",
-            message=f"memfit offers supervised fine-tuning only; method.type {spec.method.type!r} is not supported"))
+    if spec.method.type == "reinforcement":
+        problems += rl_rules(spec)
+    if spec.method.type == "dpo":
+        problems += dpo_rules(spec)
     for other in ("dpo", "reinforcement"):
         if getattr(spec.method, other) is not None and spec.method.type != other:
             problems.append(FieldProblem(param=f"method.{other}",
@@ -618,8 +855,17 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
                 message="give hyperparameters either at the top level or under method.supervised, not both",
             )
         )
-    if ds.offload_param == "cpu" and not (t.strategy == StrategyName.deepspeed and ds.zero_stage == 3):
+    if ds.offload_param != "none" and not (t.strategy == StrategyName.deepspeed and ds.zero_stage == 3):
         bad("deepspeed.offload_param", "offload_param needs strategy 'deepspeed' with zero_stage 3")
+    nvme = "nvme" in (ds.offload_optimizer, ds.offload_param)
+    if ds.offload_optimizer == "nvme" and ds.zero_stage != 3:
+        bad("deepspeed.offload_optimizer", "offload_optimizer 'nvme' (ZeRO-Infinity) needs zero_stage 3")
+    if nvme and not ds.nvme_path:
+        bad("deepspeed.nvme_path", "nvme offload needs nvme_path: a directory on a local disk of every node")
+    if ds.nvme_path and not ds.nvme_path.startswith("/"):
+        bad("deepspeed.nvme_path", f"nvme_path must be an absolute path, not {ds.nvme_path!r}")
+    if ds.nvme_path and not nvme:
+        bad("deepspeed.nvme_path", "nvme_path is only read with offload_optimizer or offload_param 'nvme'")
     if ds.offload_optimizer == "cpu" and t.strategy == StrategyName.deepspeed and ds.zero_stage == 0:
         bad("deepspeed.offload_optimizer", "offload_optimizer needs zero_stage 1, 2 or 3")
     if t.strategy != StrategyName.deepspeed and ds.offload_optimizer != "none":
@@ -669,6 +915,13 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
             bad("pipeline.microbatches", f"the 1f1b schedule needs at least as many chunks per micro-batch as "
                                          f"stages ({chunks} < {stages}): raise micro_batch_size or "
                                          "pipeline.microbatches, or use schedule 'gpipe'")
+    if t.hyperparameters.packing and t.strategy in (StrategyName.pipeline, StrategyName.tensor):
+        bad("hyperparameters.packing", f"packing keeps examples apart by position ids, which the {t.strategy.value} "
+                                       f"strategy does not pass on (or is not tested to); set packing to false with "
+                                       f"strategy '{t.strategy.value}'")
+    if t.hyperparameters.packing and peft in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning):
+        bad("hyperparameters.packing", f"packing keeps examples apart by position ids, which {peft.value} does not "
+                                       "pass to the model; set packing to false, or use lora")
     if t.pipeline.virtual_stages is not None and t.pipeline.schedule != "interleaved_1f1b":
         bad("pipeline.virtual_stages", "virtual_stages needs pipeline.schedule 'interleaved_1f1b'")
     if t.strategy == StrategyName.tensor:
@@ -705,6 +958,51 @@ def check_rules(spec: JobSpec, known_gpus: set[str] | None = None) -> list[Field
     if split.problem is not None:
         problems.append(split.problem)
     return problems
+
+
+def dpo_rules(spec: JobSpec) -> list[FieldProblem]:
+    """method.type 'dpo' with the rest of the spec (workers/dpo.py runs it; service/memory/dpo.py plans it)."""
+    t = spec.training
+    out: list[FieldProblem] = []
+
+    def bad(param: str, message: str) -> None:
+        out.append(FieldProblem(param=param, message=message))
+
+    if spec.hyperparameters is not None:
+        bad("hyperparameters", "give DPO's hyperparameters under method.dpo.hyperparameters")
+    if t.strategy not in (StrategyName.ddp, StrategyName.fsdp, StrategyName.deepspeed):
+        bad("training.strategy", f"DPO runs with strategy ddp, fsdp or deepspeed, not {t.strategy.value}")
+    if t.loss_chunk_tokens is not None:
+        bad("training.loss_chunk_tokens", "DPO sums each sequence's log-probabilities from the logits; leave "
+                                          "loss_chunk_tokens unset")
+    if t.hyperparameters.packing:
+        bad("training.hyperparameters.packing", "DPO compares two whole sequences per example: packing is off")
+    if t.qat.enabled:
+        bad("training.qat.enabled", "QAT is not built into DPO")
+    if t.activation_offload:
+        bad("training.activation_offload", "activation offload is not built into DPO")
+    reference = t.dpo_reference
+    peft = t.peft.method != PeftMethod.none
+    if reference == "adapter_disabled" and not peft:
+        bad("training.dpo_reference", "adapter_disabled needs a PEFT method (the base without the adapter is the "
+                                      "reference); use frozen_copy or precomputed for a full fine-tune")
+    if reference == "adapter_disabled" and t.peft.method in (PeftMethod.prefix_tuning, PeftMethod.prompt_tuning):
+        bad("training.dpo_reference", f"{t.peft.method.value} cannot be disabled per forward; use precomputed")
+    if reference == "frozen_copy" and t.strategy == StrategyName.deepspeed:
+        bad("training.dpo_reference", "a frozen reference copy is not built into the deepspeed strategy; use "
+                                      "precomputed (or a PEFT method and adapter_disabled)")
+    return out
+
+
+def dpo_reference_mode(t: "TrainingOptions") -> str:
+    """The reference DPO runs with: training.dpo_reference, 'auto' worked out — the base with the adapter
+    disabled for LoRA-like PEFT (no second model), log-probs precomputed once otherwise (no second model
+    either: the policy is the reference before its first step)."""
+    if t.dpo_reference != "auto":
+        return t.dpo_reference
+    if t.peft.method not in (PeftMethod.none, PeftMethod.prefix_tuning, PeftMethod.prompt_tuning):
+        return "adapter_disabled"
+    return "precomputed"
 
 
 def _min_workers_problem(t: TrainingOptions) -> str | None:
@@ -802,6 +1100,12 @@ class RunRequest(Strict):
     resume_from: str | None = Field(
         None, description="Checkpoint folder to start from when Ray Train has none of this attempt's own: the "
                           "latest checkpoint an earlier attempt recorded, staged into this attempt's folder.")
+    object_store: ObjectStore | None = Field(
+        None, description="MEMFIT_STORAGE_URL's bucket (no credentials): the uploads named by the paths above "
+                          "(s3:// URIs), Ray Train's checkpoints and the exports are there (service/domain/storage.py).")
+    output_uri: str | None = Field(
+        None, description="On object storage: the s3:// URI mirroring output_dir, where the attempt's checkpoints "
+                          "(<output_uri>/ray) and exports go; output_dir keeps the run's own files (failure records).")
     ingest_url: str | None = Field(None, description="API ingest endpoint for metrics; None writes JSON lines only.")
     ingest_token: str | None = None
     metrics_path: str | None = Field(None, description="JSON-lines sink path (always written when set).")

@@ -37,8 +37,8 @@ class Regime:
       linear's input and weight to 16 bits per op.
     - ``pure16`` (FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16/fp16 mode): the wrapper casts the
       weights once and the whole forward runs in 16 bits.
-    - ``lora16`` (LoRA + bf16 under DDP): the frozen base is only read, so it is kept in bf16 (2 bytes
-      per parameter instead of 4, what LoRA users expect), hence a bf16 residual stream; the adapter
+    - ``lora16`` (LoRA + bf16 under DDP or a pipeline): the frozen base is only read, so it is kept in bf16
+      (2 bytes per parameter instead of 4, what LoRA users expect), hence a bf16 residual stream; the adapter
       stays fp32 for AdamW and autocast casts it per matmul.
     """
 
@@ -50,7 +50,7 @@ class Regime:
     grad_dtype: str  # gradients as held and reduced
     optimizer_dtype: str  # AdamW's two moments
     master_dtype: str | None  # the optimizer's master copy beside 16-bit weights (DeepSpeed), else None
-    cast_frozen_base: bool  # the worker casts the frozen base to ``frozen_dtype`` before wrapping
+    cast_frozen_base: bool  # the frozen base is held in a 16-bit ``frozen_dtype`` (the worker reads it so)
 
 
 @cache
@@ -66,9 +66,12 @@ def regime(strategy: str, peft_method: str, precision: str) -> Regime:
         # keeps fp32 masters of what trains.
         return Regime("pure16", half, False, half, half, half, "float32", "float32", False)
     if strategy == "fsdp":
-        # FSDP2 keeps fp32 shards and casts each unit when it gathers it; gradients reduce in fp32.
-        return Regime("pure16", half, False, frozen_base, "float32", "float32", "float32", None, False)
-    if strategy == "ddp" and peft_method == "lora" and precision == "bf16":
+        # FSDP2 keeps fp32 shards of what trains and casts each unit when it gathers it; gradients reduce in
+        # fp32. A PEFT method's frozen base is only read: its shards are held in 16 bits (FSDP2 needs one dtype
+        # for a unit's trained parameters only, _fsdp_param_group.py _init_mp_dtypes), read so from the checkpoint.
+        frozen = half if peft_method not in ("none", "qlora") else frozen_base
+        return Regime("pure16", half, False, frozen, "float32", "float32", "float32", None, frozen == half)
+    if strategy in ("ddp", "pipeline") and peft_method == "lora" and precision == "bf16":
         return Regime("lora16", half, True, half, "float32", "float32", "float32", None, True)
     # DDP and pipeline: fp32 weights, torch.autocast per op.
     return Regime("autocast", half, True, frozen_base, "float32", "float32", "float32", None, False)
@@ -140,6 +143,21 @@ class DeepSpeedBuckets:
 def deepspeed_buckets(hidden: int, reduce_bucket_elements: int | None = None) -> DeepSpeedBuckets:
     bucket = int(reduce_bucket_elements or hidden * hidden)
     return DeepSpeedBuckets(bucket, bucket, int(0.9 * hidden * hidden), 10 * hidden)
+
+
+# ZeRO-Infinity's swap buffers (DeepSpeed offload to a local disk): the sizes memfit sets, which the planner
+# counts as host memory. DeepSpeed's default sub-group (1e9 elements) would stage 16 GB of optimizer state per swap.
+NVME_SUB_GROUP_ELEMENTS = 10**8  # zero_optimization.sub_group_size with nvme offload
+NVME_PARAM_BUFFERS = 5  # offload_param.buffer_count (DeepSpeed's default)
+NVME_PARAM_BUFFER_ELEMENTS = 10**8  # offload_param.buffer_size (DeepSpeed's default), at least the largest parameter
+NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer.buffer_count (DeepSpeed's default)
+NVME_AIO = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+            "overlap_events": True}  # DeepSpeed's "aio" defaults, set explicitly
+
+
+def nvme_param_buffer_elements(largest_param_numel: int) -> int:
+    """offload_param.buffer_size: DeepSpeed needs each swapped parameter to fit one buffer."""
+    return max(NVME_PARAM_BUFFER_ELEMENTS, int(largest_param_numel))
 
 
 # --- pipeline stages ----------------------------------------------------------------------------
@@ -283,3 +301,14 @@ def vocab_parallel(vocab: int, size: int) -> bool:
     over the group without gathering them): where ``size`` divides the vocabulary evenly. Elsewhere they
     stay whole on every rank, as before; nothing is refused."""
     return size > 1 and vocab % size == 0
+
+
+# --- evaluation cadence (workers/steps.py Progress.due_eval) ------------------------------------------
+
+EVALS_PER_RUN = 4  # training.eval_every_steps unset: the validation file is evaluated about this often
+
+
+def eval_interval(eval_every_steps: int | None, total_steps: int) -> int:
+    """Steps between evaluations of the validation file: ``training.eval_every_steps``, or by default a
+    quarter of the run (at least every step); the last step is always evaluated too."""
+    return eval_every_steps or max(1, -(-total_steps // EVALS_PER_RUN))

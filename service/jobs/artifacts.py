@@ -1,4 +1,5 @@
-"""What a tenant may read of a job's output folder: the model artefacts, by an allowlist.
+"""What a tenant may read of a job's output folder: the model artefacts, by an allowlist — on the volume,
+or under the same key in the bucket of MEMFIT_STORAGE_URL (service/domain/storage.py).
 
 The folder also holds what only memfit reads — Ray Train's run state under ``ray/``, the run's record
 spool ``metrics-attempt-N.jsonl``, failure files, markers — so the artifacts routes
@@ -7,7 +8,8 @@ spool ``metrics-attempt-N.jsonl``, failure files, markers — so the artifacts r
 
 - ``adapter/…``, ``merged/…``, ``model/…``: the exported Hugging Face folders, whole;
 - ``ray/<run>/checkpoint_<time>/meta.json`` (and ``checkpoints/<step>/meta.json`` of a local run):
-  each checkpoint's metrics (its step, strategy and tokens so far), not its optimizer state.
+  each checkpoint's metrics (its step, strategy and tokens so far), not its optimizer state;
+- ``wandb/…`` and ``mlruns/…``: the job's W&B run logged offline and its MLflow store (workers/integrations.py).
 
 Everything else is not found: other names, hidden or ``.part`` files, and any path that reaches a
 file through ``..`` or a symlink — even one that points back inside the folder.
@@ -21,6 +23,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from service.domain.storage import Download, StorageEscape, join, object_store
 from service.settings import Settings
 from service.store.models import Job
 
@@ -31,6 +34,8 @@ ALLOWED: tuple[tuple[str, ...], ...] = (
     ("model", "**"),
     ("ray", "*", "checkpoint_*", "meta.json"),
     ("checkpoints", "*", "meta.json"),
+    ("wandb", "**"),  # the W&B run logged offline (workers/integrations.py), for `wandb sync`
+    ("mlruns", "**"),  # the MLflow store of an integration without a tracking server
 )
 MAX_FILES = 500
 
@@ -41,6 +46,22 @@ class FileNotInJob(LookupError):
 
 def output_root(job: Job, settings: Settings) -> Path:
     return Path(job.output_dir) if job.output_dir else settings.storage_dir / "jobs" / job.id
+
+
+def output_location(job: Job, settings: Settings) -> str:
+    """The job's output folder as users are told it: its path on the volume, or its ``s3://`` URI."""
+    return stored_location(settings, output_root(job, settings))
+
+
+def stored_location(settings: Settings, path: Path) -> str:
+    """Where a path of the volume's layout is kept: the path itself, or on object storage its object's URI."""
+    store = object_store(settings)
+    if store is None:
+        return str(path)
+    try:
+        return store.uri(store.key_for(settings.storage_dir, path))
+    except StorageEscape:
+        return str(path)
 
 
 def is_allowed(relpath: str) -> bool:
@@ -55,6 +76,14 @@ def list_artifacts(job: Job, settings: Settings) -> list[dict[str, Any]]:
     """The allowed regular files under the job's output folder (symlinks are neither followed nor
     listed), as ``{"path", "bytes"}``, sorted; at most MAX_FILES."""
     root = output_root(job, settings)
+    store = object_store(settings)
+    if store is not None:  # the bucket mirrors the folder (service/domain/storage.py)
+        try:
+            prefix = store.key_for(settings.storage_dir, root)
+        except StorageEscape:
+            return []
+        allowed = [{"path": rel, "bytes": size} for rel, size in store.list(prefix) if is_allowed(rel)]
+        return allowed[:MAX_FILES]
     if not root.is_dir() or root.is_symlink():
         return []
     out: list[dict[str, Any]] = []
@@ -77,16 +106,26 @@ def list_artifacts(job: Job, settings: Settings) -> list[dict[str, Any]]:
     return out
 
 
-def artifact_file(job: Job, settings: Settings, relpath: str) -> Path:
-    """The allowed file ``relpath`` of the job's output folder. Raises FileNotInJob for anything else:
-    absolute paths, ``.``/``..`` segments, names outside the allowlist, a symlink anywhere on the way,
-    directories, missing files."""
+def artifact_file(job: Job, settings: Settings, relpath: str) -> Path | Download:
+    """The allowed file ``relpath`` of the job's output folder (on object storage: a Download of its
+    object). Raises FileNotInJob for anything else: absolute paths, ``.``/``..`` segments, names outside
+    the allowlist, a symlink anywhere on the way, directories, missing files."""
     if not relpath or relpath.startswith(("/", "\\")) or "\x00" in relpath or "\\" in relpath:
         raise FileNotInJob(relpath)
     parts = relpath.split("/")
     if any(p in ("", ".", "..") for p in parts) or not is_allowed(relpath):
         raise FileNotInJob(relpath)
     root = output_root(job, settings)
+    store = object_store(settings)
+    if store is not None:
+        try:
+            key = join(store.key_for(settings.storage_dir, root), relpath)
+        except StorageEscape:
+            raise FileNotInJob(relpath) from None
+        size = store.size(key)
+        if size is None:
+            raise FileNotInJob(relpath)
+        return Download(store, key, size)
     path = root
     try:
         if not stat.S_ISDIR(os.lstat(root).st_mode):

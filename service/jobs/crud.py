@@ -32,6 +32,7 @@ from service.domain.errors import (
 from service.domain.model_ref import ModelRefError, resolve_model
 from service.domain.spec import SpecError, derive, validate_spec
 from service.domain.states import JobStatus
+from service.domain.storage import local_path
 from service.jobs import quotas, series
 from service.jobs.files import get_file
 from service.memory import preflight as memory
@@ -181,6 +182,7 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
             f = files[param] = get_file(session, principal, file_id, param=param)
             if f.purpose != "fine-tune" or f.status != "processed":
                 raise UnprocessableEntity(f"file {file_id} is not a processed fine-tune file", param=param)
+    check_training_data(spec, files, settings)
     # OpenAI's hyperparameters → memfit's, written into the spec (service/domain/spec.py: derive), so the stored
     # spec is what the planner plans and the workers run; each value filled in becomes an event below.
     derived = derive(spec, training_examples=files["training_file"].rows, seed=secrets.randbelow(2**31))
@@ -188,7 +190,7 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
     # Memory pre-flight (issue 5, service/memory/preflight.py): memory_policy=reject raises DoesNotFit (422
     # insufficient_memory), auto returns the spec with the cheapest fitting change, ignore the spec as given.
     # The plan is for the training file's rows (service/memory/data.py), not only for max_seq_length.
-    preflight = memory.preflight(spec, settings, training_path=files["training_file"].path)
+    preflight = memory.preflight(spec, settings, training_path=local_path(settings, files["training_file"].path))
     spec = preflight.spec
     quotas.check_queued(session, principal.tenant_id, settings)  # 429 past quota_queued_jobs; locks until commit
     job = Job(
@@ -212,6 +214,50 @@ def _new_job(session: Session, principal: Principal, settings: Settings, body: A
         add_event(session, job.id, d.message, level=d.level, data=d.data, attempt=0)
     record_preflight(session, job, preflight)  # jobs.plan, the memory summary, the pre-flight's event
     return job
+
+
+def check_training_data(spec, files: dict, settings: Settings) -> None:
+    """The files suit the method (DPO trains on preference rows, supervised on the others), and the model's
+    chat template renders every row's tools (400 naming the line: service/memory/data.py check_tools_rendered)."""
+    from service.domain.datafmt import PREFERENCE, REINFORCEMENT, DataError
+    from service.memory.data import check_tools_rendered
+
+    for param, f in files.items():
+        dpo, preference = spec.method.type == "dpo", f.format == PREFERENCE
+        if dpo and not preference:
+            raise UnprocessableEntity(f"method.type 'dpo' trains on preference rows (input, preferred_output, "
+                                      f"non_preferred_output); {f.id} holds {f.format} rows", param=param)
+        if preference and not dpo:
+            raise UnprocessableEntity(f"{f.id} holds preference rows, which train with method.type 'dpo'", param=param)
+        rl, prompts = spec.method.type == "reinforcement", f.format == REINFORCEMENT
+        if rl and not prompts:
+            raise UnprocessableEntity(f"method.type 'reinforcement' trains on prompt rows (messages ending before the "
+                                      f"assistant's turn, and the fields the grader reads); {f.id} holds {f.format} "
+                                      "rows", param=param)
+        if prompts and not rl:
+            raise UnprocessableEntity(f"{f.id} holds reinforcement rows (messages with no assistant turn to learn, or "
+                                      "fields a chat row does not have), which train with method.type "
+                                      "'reinforcement'", param=param)
+        if rl:
+            check_grader_rows(spec, param, f, local_path(settings, f.path))
+        try:
+            check_tools_rendered(spec, local_path(settings, f.path), settings.model_dirs)
+        except DataError as exc:
+            raise BadRequest(f"{param} {f.id} line {exc.line}: {exc.message}", param=param, code="invalid_file") from None
+
+
+def check_grader_rows(spec, param: str, f, path: str) -> None:
+    """Every row of a reinforcement file has the fields the job's grader reads (400 naming the line)."""
+    from service.domain.datafmt import DataError, check_grader_fields, iter_examples
+    from service.domain.graders import item_fields
+
+    fields = item_fields(spec.method.reinforcement.grader)
+    if not fields:
+        return
+    try:
+        check_grader_fields(iter_examples(path), fields)
+    except DataError as exc:
+        raise BadRequest(f"{param} {f.id} line {exc.line}: {exc.message}", param=param, code="invalid_file") from None
 
 
 def record_preflight(session: Session, job: Job, outcome: memory.PreflightOutcome) -> None:
@@ -682,8 +728,8 @@ def plan_memory(session: Session, principal: Principal, settings: Settings, body
     """``POST /v1/memory/plan``: the plan of a create body; with a ``training_file`` (the tenant's: another
     tenant's id is FileNotFound, as at creation) the plan is for that file's rows."""
     return memory.plan_request(body, settings, gpu=gpu, known_gpus=known_gpus,
-                               training_path=lambda file_id: get_file(session, principal, file_id,
-                                                                      param="training_file").path)
+                               training_path=lambda file_id: local_path(settings, get_file(
+                                   session, principal, file_id, param="training_file").path))
 
 
 def get_job_memory(session: Session, principal: Principal, job_id: str) -> dict[str, Any]:
@@ -702,7 +748,18 @@ def memory_view(session: Session, job: Any) -> dict[str, Any]:
     if attempt is None:
         return job_memory_view(job, [])
     buckets, raw = series.memory_points(session, job.id, attempt, hs)
-    return job_memory_view(job, raw, peaks=peaks, attempt=attempt, buckets=buckets)
+    return job_memory_view(job, raw, peaks=peaks, attempt=attempt, buckets=buckets,
+                           phase_samples=phase_samples(session, job.id, attempt))
+
+
+def phase_samples(session: Session, job_id: str, attempt: int) -> list[MemorySample]:
+    """The attempt's samples of the job's phases outside the step (load, eval, checkpoint, export): a few per
+    rank, whatever the run's length (workers/telemetry.py PhaseMeter)."""
+    from service.memory.compare import MEASURED_PHASES
+
+    return list(session.scalars(select(MemorySample).where(
+        MemorySample.job_id == job_id, MemorySample.attempt == attempt, MemorySample.phase.in_(MEASURED_PHASES))
+        .order_by(MemorySample.rank, MemorySample.step)))
 
 
 def list_memory_samples(

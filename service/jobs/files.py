@@ -1,4 +1,5 @@
-"""Uploaded files: stored under ``settings.storage_dir/files/<tenant>/``, validated line by line.
+"""Uploaded files: stored under ``settings.storage_dir/files/<tenant>/`` (or the same key in the bucket of
+MEMFIT_STORAGE_URL, service/domain/storage.py), validated line by line.
 
 The size limit is enforced while copying (the API also stops reading the request body once it is
 over), so an oversized upload never fills the disk; a file that is not valid JSONL for one of the
@@ -22,9 +23,11 @@ from service.domain.errors import (
     InvalidFile,
     PayloadTooLarge,
     StorageFull,
+    StorageUnavailable,
     UnprocessableEntity,
     is_storage_full,
 )
+from service.domain.storage import Download, cache_path, is_remote, object_store, store_for
 from service.jobs import quotas
 from service.settings import Settings
 from service.store.auth import Principal
@@ -55,6 +58,9 @@ def create_file(
         )
     name = os.path.basename(filename or "") or "upload.jsonl"
     file_id = new_id("file-")
+    store = object_store(settings)
+    # On object storage the upload is still received and validated in a local file (the volume's
+    # files/ folder), then put into the bucket under the same key.
     directory = _tenant_dir(settings, principal.tenant_id)
     final = directory / f"{file_id}.jsonl"
     partial = directory / f".{file_id}.part"
@@ -75,7 +81,19 @@ def create_file(
             raise InvalidFile(f"Invalid JSONL in {name!r}: {exc}", param="file") from None
         # Last, so the tenant's quota lock is held only from here to the caller's commit.
         quotas.check_storage(session, principal.tenant_id, settings, adding_bytes=size)  # 429 past quota_storage_bytes
-        os.replace(partial, final)
+        if store is not None:  # into the bucket; the validated local copy becomes its cache (domain/storage.py: localize)
+            key = store.key_for(settings.storage_dir, final)
+            try:
+                store.put_file(partial, key)
+            except OSError as exc:
+                raise StorageUnavailable(f"the object store did not take {name!r}: {exc}; nothing was stored") from None
+            uri = store.uri(key)
+            cached = Path(cache_path(uri, settings.storage_dir / "cache"))
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(partial, cached)
+            final = uri
+        else:
+            os.replace(partial, final)
     except OSError as exc:
         if is_storage_full(exc):
             raise StorageFull(f"no space left in the file storage for {name!r} ({size} bytes received); "
@@ -118,8 +136,25 @@ def list_files(
     return newest_first_page(session, q, File, tenant_id=principal.tenant_id, after=after, limit=limit)
 
 
-def delete_file(session: Session, principal: Principal, file_id: str) -> None:
+def delete_file(session: Session, principal: Principal, file_id: str, settings: Settings) -> None:
     row = get_file(session, principal, file_id)
     session.delete(row)
     session.flush()
-    Path(row.path).unlink(missing_ok=True)
+    if is_remote(row.path):
+        store = store_for(row.path, object_store(settings))
+        store.delete(store.key_of(row.path))
+        Path(cache_path(row.path, settings.storage_dir / "cache")).unlink(missing_ok=True)
+    else:
+        Path(row.path).unlink(missing_ok=True)
+
+
+def file_content(settings: Settings, row: File) -> Path | Download:
+    """Where a file's content is read: its path on the volume, or a Download streamed from the bucket."""
+    if not is_remote(row.path):
+        return Path(row.path)
+    store = store_for(row.path, object_store(settings))
+    key = store.key_of(row.path)
+    size = store.size(key)
+    if size is None:
+        raise FileNotFound(row.id)
+    return Download(store, key, size)

@@ -51,10 +51,14 @@ from service.domain.records import (
     MetricsRecord,
     Record,
     ResultRecord,
+    GRADER_REWARD_PREFIX,
+    named_metrics,
 )
 from service.domain.states import JobStatus
 from service.jobs import metrics, series
-from service.jobs.artifacts import output_root
+from service.domain.storage import object_store
+from service.jobs.artifacts import output_location, output_root
+from service.jobs.claimed_paths import inside
 from service.jobs.crud import add_checkpoint, add_event, store_events, store_memory_samples, update_job
 from service.memory.compare import summary_fields as memory_summary_fields
 from service.memory.downshift import DOWNSHIFT_EVENT
@@ -92,6 +96,18 @@ def bearer_token(authorization: str | None) -> str | None:
         return None
     scheme, _, token = authorization.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def authorize(session: Session, job_id: str, token: str | None) -> int:
+    """Whether ``token`` opens ``job_id``'s ingest, answered before a byte of the body is read: the
+    job's current attempt when it does; InvalidIngestToken (no token) or JobNotFound (a token of
+    another job, or none at all) otherwise. :func:`ingest` checks again, under the row lock."""
+    if token is None:
+        raise InvalidIngestToken("ingest needs the job's ingest token: Authorization: Bearer <token>")
+    row = session.execute(select(Job.ingest_token_hash, Job.attempt).where(Job.id == job_id)).first()
+    if row is None or not ingest_token_matches(token, row.ingest_token_hash):
+        raise JobNotFound(job_id)  # another job's token: the same answer as an unknown id
+    return row.attempt
 
 
 def ingest(session: Session, settings: Settings, job_id: str, token: str | None, batch: IngestBatch) -> IngestResult:
@@ -144,8 +160,24 @@ def _accept(session: Session, settings: Settings, job: Job, batch: IngestBatch) 
     return result
 
 
+def _claimed_paths(settings: Settings, job: Job, batch: IngestBatch) -> dict[int, Any]:
+    """Every path the batch names, checked against the attempt's own folder before anything is stored
+    (service/jobs/claimed_paths.py): record index → the checkpoint's relative path, or a result's
+    artefacts as relative paths. One path outside refuses the whole batch (422, naming the field)."""
+    folder = output_root(job, settings)
+    out: dict[int, Any] = {}
+    for i, r in enumerate(batch.records):
+        if isinstance(r, CheckpointRecord):
+            out[i] = inside(folder, r.path, param=f"records[{i}].path")
+        elif isinstance(r, ResultRecord):
+            out[i] = {name: inside(folder, path, param=f"records[{i}].artifacts.{name}")
+                      for name, path in r.artifacts.items()}
+    return out
+
+
 def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -> IngestResult:
     attempt = job.attempt
+    claimed = _claimed_paths(settings, job, batch)
     new = dup = 0
     events: list[dict[str, Any]] = []
     memory: list[MemoryRecord] = []
@@ -153,7 +185,7 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
     trained_tokens = job.trained_tokens
     ending: ResultRecord | FailureRecord | None = None
 
-    for r in batch.records:
+    for i, r in enumerate(batch.records):
         if ending is not None:
             break  # nothing after the run's last word belongs to it
         if isinstance(r, MetricsRecord):
@@ -165,10 +197,12 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
         elif isinstance(r, MemoryRecord):
             memory.append(r)
         elif isinstance(r, CheckpointRecord):
-            if add_checkpoint(session, job.id, attempt=attempt, step=r.step, path=r.path, metrics=r.metrics):
+            # Stored relative to the attempt's folder; the event shows where it is.
+            if add_checkpoint(session, job.id, attempt=attempt, step=r.step, path=claimed[i], metrics=r.metrics):
                 new += 1
+                where = f"{output_location(job, settings)}/{claimed[i]}"
                 events.append({"message": f"Checkpoint created at step {r.step}", "attempt": attempt,
-                               "data": {"step": r.step, "path": r.path, "metrics": r.metrics},
+                               "data": {"step": r.step, "path": where, "metrics": r.metrics},
                                "dedupe_key": f"ckpt:{r.step}", "created_at": _ts(r.time)})
             else:
                 dup += 1
@@ -176,7 +210,9 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
             events.append({"message": r.message, "level": r.level, "data": r.data, "attempt": attempt,
                            "dedupe_key": f"ev:{attempt}:{r.dedupe}" if r.dedupe else None,
                            "created_at": _ts(r.time)})
-        elif isinstance(r, (ResultRecord, FailureRecord)):
+        elif isinstance(r, ResultRecord):
+            ending = r.model_copy(update={"artifacts": claimed[i]})
+        elif isinstance(r, FailureRecord):
             ending = r
 
     if events:
@@ -190,11 +226,13 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
                 fresh.append(e)
         series.add(session, job.id, series.METRICS,
                    [series.metrics_sample(e["attempt"], e["data"]) for e in fresh if e["data"]["rank"] == 0])
+    alarm_stop: dict[str, Any] | None = None
     if memory:
         stored_rows = store_memory_samples(session, job.id, memory)
         new += len(stored_rows)
         dup += len(memory) - len(stored_rows)
         series.add(session, job.id, series.MEMORY, [series.memory_sample(_Row(r)) for r in stored_rows])
+        alarm_stop = memory_alarms(session, job, attempt, stored_rows)
 
     fields: dict[str, Any] = {}
     if memory:
@@ -208,15 +246,15 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
     if isinstance(ending, ResultRecord):
         if ending.trained_tokens is not None:
             fields["trained_tokens"] = ending.trained_tokens
-        results = _write_results_file(session, settings, job, ending)
+        results = [_write_metrics_csv(session, settings, job), _write_results_file(session, settings, job, ending)]
         transition(
             session, job.id, JobStatus.succeeded, expected_attempt=attempt,
-            fine_tuned_model=ending.fine_tuned_model, result_files=[results.id],
+            fine_tuned_model=ending.fine_tuned_model, result_files=[f.id for f in results],
             lease_owner=None, desired_state=None, estimated_finish=None,
             **{k: v for k, v in fields.items() if k != "estimated_finish"},
             event_data={"fine_tuned_model": ending.fine_tuned_model,
-                        "artifacts": resolve_artifacts(output_root(job, settings), ending.artifacts),
-                        "result_files": [results.id]},
+                        "artifacts": resolve_artifacts(output_location(job, settings), ending.artifacts),
+                        "result_files": [f.id for f in results]},
         )
         status, new = JobStatus.succeeded.value, new + 1
     elif isinstance(ending, FailureRecord):
@@ -238,9 +276,54 @@ def _store(session: Session, settings: Settings, job: Job, batch: IngestBatch) -
                    **{k: v for k, v in fields.items() if k != "estimated_finish"},
                    event_data={"error": error})
         status, new = JobStatus.failed.value, new + 1
+    elif alarm_stop is not None:  # training.memory_alarm: stop — failed now, its run stopped by the scheduler
+        error = FailureInfo(code="memory_alarm", message=alarm_stop["message"], rank=alarm_stop["rank"],
+                            step=alarm_stop["step"], details=alarm_stop).model_dump(mode="json")
+        transition(session, job.id, JobStatus.failed, expected_attempt=attempt, error=error, lease_owner=None,
+                   desired_state="cancel", estimated_finish=None,
+                   **{k: v for k, v in fields.items() if k != "estimated_finish"}, event_data={"error": error})
+        status, new = JobStatus.failed.value, new + 1
     elif fields:
         update_job(session, job.id, expected_attempt=attempt, **fields)
     return IngestResult(accepted=new, duplicates=dup, status=status)
+
+
+# --- memory alarms (service/memory/alarms.py) ----------------------------------------------------------
+
+
+def memory_alarms(session: Session, job: Job, attempt: int, stored: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Drift and leak alarms of newly stored step samples, each a job event once per attempt, rank and kind;
+    the first alarm's data when the job's ``training.memory_alarm`` is ``stop`` (else None)."""
+    from service.domain.plan import read_plan
+    from service.domain.spec import JobSpec
+    from service.memory import alarms
+    from service.memory.step_compare import step_planner
+    from service.store.models import MemorySample, MEMORY_BYTE_COLUMNS
+
+    steps = [r for r in stored if r["phase"] == "step"]
+    plan = read_plan(job.plan)
+    if not steps or plan is None or not job.spec:
+        return None
+    try:
+        spec = JobSpec.model_validate(job.spec)
+        sp = step_planner(job.id, spec, plan)
+    except Exception:  # noqa: BLE001 - a stored spec or plan the planner cannot read raises no alarm
+        return None
+    history: dict[int, list[dict[str, Any]]] = {}
+    cols = [getattr(MemorySample, c) for c in ("rank", "step", "device", *MEMORY_BYTE_COLUMNS)]
+    for rank in {r["rank"] for r in steps}:
+        q = (select(*cols).where(MemorySample.job_id == job.id, MemorySample.attempt == attempt,
+                                 MemorySample.rank == rank, MemorySample.phase == "step")
+             .order_by(MemorySample.step.desc()).limit(alarms.LEAK_HISTORY))
+        history[rank] = [dict(row._mapping) for row in session.execute(q)]
+    found = alarms.alarms(sp, spec, plan.peak_bytes, steps, history)
+    for a in found:
+        a["message"] = alarms.message(a)
+        add_event(session, job.id, a["message"], level="warn", attempt=attempt, data={"memory_alarm": a},
+                  dedupe_key=f"memory-alarm:{attempt}:{a['rank']}:{a['kind']}")
+    if found and spec.training.memory_alarm == "stop":
+        return found[0]
+    return None
 
 
 # --- training.on_oom: downshift -------------------------------------------------------------------
@@ -274,19 +357,17 @@ class _Row:
 def _metrics_event(r: MetricsRecord) -> dict[str, Any]:
     total = f"/{r.total_steps}" if r.total_steps else ""
     parts = [f"Step {r.step}{total}"]
-    if r.loss is not None:
-        parts.append(f"training loss={r.loss:.4f}")
-    if r.eval_loss is not None:
-        parts.append(f"validation loss={r.eval_loss:.4f}")
+    for label, value in (("training loss", r.loss), ("training accuracy", r.mean_token_accuracy),
+                         ("validation loss", r.eval_loss), ("validation accuracy", r.eval_mean_token_accuracy),
+                         ("reward margin", r.reward_margin), ("preference accuracy", r.preference_accuracy),
+                         ("mean reward", r.mean_reward), ("validation mean reward", r.eval_mean_reward)):
+        if value is not None:
+            parts.append(f"{label}={value:.4f}")
     if r.rank:
         parts.append(f"rank {r.rank}")
-    # OpenAI's metrics event keys (step, train_loss, valid_loss, total_steps) plus memfit's.
-    data = {
-        "step": r.step, "total_steps": r.total_steps, "train_loss": r.loss, "valid_loss": r.eval_loss,
-        "rank": r.rank, "epoch": r.epoch, "learning_rate": r.learning_rate, "grad_norm": r.grad_norm,
-        "tokens_per_s": r.tokens_per_s, "trained_tokens": r.trained_tokens, "step_time_s": r.step_time_s,
-        "time": r.time,
-    }
+    # OpenAI's metrics event keys (step, train_loss, train_mean_token_accuracy, valid_loss,
+    # valid_mean_token_accuracy, full_valid_*, total_steps) plus memfit's (service/domain/records.py METRIC_NAMES).
+    data = {"step": r.step, "total_steps": r.total_steps, "rank": r.rank, "time": r.time, **named_metrics(r)}
     return {
         "message": ": ".join([parts[0], ", ".join(parts[1:])]) if len(parts) > 1 else parts[0],
         "type": "metrics",
@@ -317,15 +398,74 @@ def _estimate(session: Session, job: Job, latest: MetricsRecord) -> datetime | N
     return _ts(latest.time) + timedelta(seconds=remaining * per_step)
 
 
-def _write_results_file(session: Session, settings: Settings, job: Job, r: ResultRecord) -> File:
-    """OpenAI's result_files are file ids: register a results JSON (model, artifacts, final metrics)
-    as a file of the job's tenant with purpose 'fine-tune-results'."""
+# OpenAI's result file: a CSV of per-step metrics, this header, a row per step, a cell left empty where the
+# step has no value (valid_* only at evaluations). train_accuracy is the step's mean token accuracy.
+RESULTS_CSV_NAME = "step_metrics.csv"
+RESULTS_CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
+_CSV_SOURCES = ("step", "train_loss", "train_mean_token_accuracy", "valid_loss", "valid_mean_token_accuracy")
+# A reinforcement job's columns after OpenAI's (workers/rl.py), then one train_reward_mean/<grader> per grader
+RL_CSV_COLUMNS = ("train_reward_mean", "train_reward_std", "valid_reward_mean", "train_kl", "train_sample_tokens_mean",
+                  "train_grader_error_rate")
+
+
+def metrics_csv(session: Session, job_id: str) -> str:
+    """The job's per-step metrics as OpenAI's result CSV, from its rank-0 metrics events; a step run again
+    after a restart keeps the value of its last run."""
+    import csv
+    import io
+
+    rows: dict[int, dict[str, Any]] = {}
+    for data in session.scalars(select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.type == "metrics")
+                                .order_by(JobEvent.id)):
+        if data and data.get("rank") == 0 and data.get("step") is not None:
+            rows[int(data["step"])] = data
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    rl = any("train_reward_mean" in d for d in rows.values())
+    graders = sorted({k for d in rows.values() for k in d if k.startswith(GRADER_REWARD_PREFIX)})
+    writer.writerow([*RESULTS_CSV_COLUMNS, *(RL_CSV_COLUMNS if rl else ()), *graders])
+    for step in sorted(rows):
+        d = rows[step]
+        cells = [d.get(k) for k in _CSV_SOURCES] + ([d.get(k) for k in RL_CSV_COLUMNS] if rl else [])
+        cells += [d.get(g) for g in graders]
+        writer.writerow(["" if v is None else v for v in cells])
+    return out.getvalue()
+
+
+def _register_result(session: Session, settings: Settings, job: Job, name: str, data: bytes) -> File:
+    """A result file of the job, written whole (atomically) and registered as a file of its tenant with
+    purpose 'fine-tune-results' (OpenAI's result_files are file ids)."""
     out = settings.storage_dir / "jobs" / job.id
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
+    path = out / name
+    store = object_store(settings)
+    if store is not None:  # the same key in the bucket (service/domain/storage.py)
+        key = store.key_for(settings.storage_dir, path)
+        store.put_bytes(key, data)
+        stored = store.uri(key)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".part")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        stored = str(path)
+    row = File(id=new_id("file-"), tenant_id=job.tenant_id, filename=name, purpose="fine-tune-results",
+               bytes=len(data), path=stored, format=None, rows=None, status="processed")
+    session.add(row)
+    session.flush()
+    return row
+
+
+def _write_metrics_csv(session: Session, settings: Settings, job: Job) -> File:
+    """OpenAI's result file (the first of result_files): per-step metrics as CSV."""
+    return _register_result(session, settings, job, RESULTS_CSV_NAME, metrics_csv(session, job.id).encode())
+
+
+def _write_results_file(session: Session, settings: Settings, job: Job, r: ResultRecord) -> File:
+    """memfit's result file (the second of result_files): results.json — the model's name, its artefacts,
+    the final metrics, what the run ran with and each out-of-memory downshift."""
     body = {
         "job_id": job.id, "attempt": job.attempt, "fine_tuned_model": r.fine_tuned_model,
-        "artifacts": resolve_artifacts(output_root(job, settings), r.artifacts), "trained_tokens": r.trained_tokens,
+        "artifacts": resolve_artifacts(output_location(job, settings), r.artifacts), "trained_tokens": r.trained_tokens,
         "metrics": r.metrics,
         # what the run that finished ran with (after any out-of-memory downshift), and each downshift
         "training": (job.spec or {}).get("training"),
@@ -333,21 +473,14 @@ def _write_results_file(session: Session, settings: Settings, job: Job, r: Resul
             select(JobEvent.data).where(JobEvent.job_id == job.id, JobEvent.dedupe_key.like(f"{DOWNSHIFT_EVENT}:%"))
             .order_by(JobEvent.id))],
     }
-    data = json.dumps(body, indent=1, default=str).encode()
-    tmp = path.with_suffix(".part")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    row = File(id=new_id("file-"), tenant_id=job.tenant_id, filename="results.json",
-               purpose="fine-tune-results", bytes=len(data), path=str(path), format=None, rows=None,
-               status="processed")
-    session.add(row)
-    session.flush()
-    return row
+    return _register_result(session, settings, job, "results.json", json.dumps(body, indent=1, default=str).encode())
 
 
-def resolve_artifacts(job_dir: Path, artifacts: dict[str, str]) -> dict[str, str]:
-    """Workers name artifacts relative to the attempt's output folder; users get absolute paths."""
-    return {name: str(job_dir / path) if not os.path.isabs(path) else path for name, path in artifacts.items()}
+def resolve_artifacts(job_dir: str | Path, artifacts: dict[str, str]) -> dict[str, str]:
+    """Artefacts are stored relative to the attempt's output folder (checked by _claimed_paths); users
+    get absolute paths (``s3://`` URIs on object storage)."""
+    return {name: f"{str(job_dir).rstrip('/')}/{path}" if not os.path.isabs(path) else path
+            for name, path in artifacts.items()}
 
 
 def _ts(t: float) -> datetime:

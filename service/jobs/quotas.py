@@ -1,4 +1,4 @@
-"""Per-tenant quotas (OWASP API4): jobs waiting, jobs running at once, bytes of uploaded files.
+"""Per-tenant quotas (OWASP API4): jobs waiting, jobs running at once, bytes stored (uploads, checkpoints, exports).
 
 Each quota is a ``quota_*`` setting (0 turns it off). Creating a job or uploading a file past its
 quota is :class:`QuotaExceeded` (429, the quota's name, limit and current use in the message); the
@@ -17,11 +17,14 @@ import hashlib
 from sqlalchemy import ColumnElement, func, select, text, true
 from sqlalchemy.orm import Session, aliased
 
+from service.domain.disk import folder_bytes
 from service.domain.errors import DomainError
 from service.domain.states import JobStatus
+from service.domain.storage import object_store
 from service.settings import Settings
 from service.store.models import File, Job
 
+RESULTS_PURPOSE = "fine-tune-results"
 # Not terminal and not running: what a tenant has waiting for the cluster (a paused job resumes to queued).
 WAITING = (JobStatus.validating_files.value, JobStatus.queued.value, JobStatus.paused.value)
 
@@ -67,20 +70,44 @@ def check_queued(session: Session, tenant_id: str, settings: Settings) -> None:
         )
 
 
+def storage_used(session: Session, tenant_id: str, settings: Settings) -> int:
+    """What the tenant keeps on the shared volume: its uploaded files, and everything its jobs wrote
+    (checkpoints of every attempt, exported models, results) measured on disk."""
+    uploads = session.scalar(select(func.coalesce(func.sum(File.bytes), 0)).where(
+        File.tenant_id == tenant_id, File.purpose != RESULTS_PURPOSE)) or 0  # results.json lies in the job's folder
+    seen: set[tuple[int, int]] = set()
+    jobs = session.scalars(select(Job.id).where(Job.tenant_id == tenant_id)).all()
+    store = object_store(settings)
+    if store is not None:  # in the bucket (a staged resume is a copy there, counted as such)
+        return int(uploads) + sum(store.bytes_under(f"jobs/{job_id}") for job_id in jobs)
+    return int(uploads) + sum(folder_bytes(settings.storage_dir / "jobs" / job_id, seen) for job_id in jobs)
+
+
 def check_storage(session: Session, tenant_id: str, settings: Settings, *, adding_bytes: int) -> None:
-    """Before an upload of ``adding_bytes`` is recorded: QuotaExceeded when the tenant's files would
-    then hold more than quota_storage_bytes."""
+    """Before an upload of ``adding_bytes`` is recorded: QuotaExceeded when the tenant's storage (its
+    files and its jobs' checkpoints and exports) would then hold more than quota_storage_bytes."""
     limit = settings.quota_storage_bytes
     if not limit:
         return
     _lock(session, "storage", tenant_id)
-    used = session.scalar(select(func.coalesce(func.sum(File.bytes), 0)).where(File.tenant_id == tenant_id)) or 0
+    used = storage_used(session, tenant_id, settings)
     if used + adding_bytes > limit:
         raise QuotaExceeded(
             "storage", limit=limit, used=int(used), param="file",
-            message=f"storage quota exceeded: the tenant's files hold {used} of at most {limit} bytes "
-                    f"(MEMFIT_QUOTA_STORAGE_BYTES) and this file adds {adding_bytes}; delete files to make room",
+            message=f"storage quota exceeded: the tenant's files, checkpoints and exports hold {used} of at most "
+                    f"{limit} bytes (MEMFIT_QUOTA_STORAGE_BYTES) and this file adds {adding_bytes}; delete files "
+                    "or finished jobs' outputs to make room",
         )
+
+
+def storage_budget(session: Session, tenant_id: str, settings: Settings) -> int | None:
+    """How many bytes a new attempt of one of the tenant's jobs may write (its checkpoints and exports)
+    before the tenant passes quota_storage_bytes; None without a quota. The scheduler gives it to the
+    run (MEMFIT_STORAGE_BUDGET_BYTES), whose workers check it before each checkpoint and export."""
+    limit = settings.quota_storage_bytes
+    if not limit:
+        return None
+    return max(0, limit - storage_used(session, tenant_id, settings))
 
 
 def claimable(settings: Settings) -> ColumnElement[bool]:

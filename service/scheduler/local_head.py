@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,13 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.memory.nodes import auth_headers
+from service.ports import free_port
 from service.scheduler.lifetime import OWNER_ENV, Ownership, process_started
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["LocalRayHead", "free_port", "ray_env"]  # free_port: imported from here by tests and the CLI
 
 
 def ray_env(auth_mode: str = "disabled") -> dict[str, str]:
@@ -53,6 +49,11 @@ class LocalRayHead:
 
     num_cpus: int = 8
     auth_mode: str = "disabled"
+    # The address the head binds and other nodes reach it at (another interface than loopback where
+    # nodes run elsewhere: tests/test_topology.py's nodes live in network namespaces of their own).
+    node_ip: str = "127.0.0.1"
+    # More environment for the head's processes (e.g. RAY_REDIS_ADDRESS for GCS fault tolerance).
+    extra_env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     record_dir: Path | None = None
     gcs_port: int = field(default_factory=free_port)
@@ -67,11 +68,11 @@ class LocalRayHead:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.gcs_port}"
+        return f"{self.node_ip}:{self.gcs_port}"
 
     @property
     def dashboard_url(self) -> str:
-        return f"http://127.0.0.1:{self.dashboard_port}"
+        return f"http://{self.node_ip}:{self.dashboard_port}"
 
     @property
     def logs_dir(self) -> Path | None:
@@ -93,9 +94,9 @@ class LocalRayHead:
         cmd = [
             ray_bin, "start", "--head", "--block", "--disable-usage-stats",
             f"--port={self.gcs_port}",
-            "--node-ip-address=127.0.0.1",
+            f"--node-ip-address={self.node_ip}",
             f"--num-cpus={self.num_cpus}", "--num-gpus=0",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            "--include-dashboard=true", f"--dashboard-host={self.node_ip}",
             f"--dashboard-port={self.dashboard_port}",
             f"--dashboard-agent-listen-port={free_port()}",
             f"--dashboard-agent-grpc-port={free_port()}",
@@ -114,6 +115,7 @@ class LocalRayHead:
         # On SIGTERM `ray start --block` first drains the node for up to 30 s (for Ray Serve) before
         # it stops its daemons; we stop the whole head at once, so the drain only delays the stop.
         env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+        env.update(self.extra_env)
         log_path = self.log_path or Path(self.temp_dir) / "ray-start.log"
         try:
             with self._lock:

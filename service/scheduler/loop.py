@@ -57,6 +57,7 @@ import secrets
 import shlex
 import shutil
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,14 +79,17 @@ from service.domain.errors import (
 from service.domain.model_ref import resolve_model
 from service.domain.spec import JobSpec, RunRequest
 from service.domain.states import EVENT_MESSAGES, TERMINAL, JobStatus
+from service.domain.storage import ObjectStore, StorageEscape, join, local_path, object_store
 from service.domain.units import human_bytes
 from service.jobs import ingest, metrics, quotas
+from service.jobs.claimed_paths import contained, located
 from service.jobs.crud import add_event, purge_idempotency_keys
 from service.memory.elastic import world_plans
 from service.scheduler import faults
 from service.scheduler.paths import (
     INGEST_PATH,
     attempt_dir,
+    job_dir,
     request_path,
     spool_path,
     submission_id,
@@ -140,6 +144,13 @@ class _Watch:
     last_step: tuple[int, float] | None = None
     progress_checked_at: float = 0.0
     stall_limits: tuple[float | None, int] | None = None
+    late_checked_at: float = 0.0  # when earlier attempts were last looked for in Ray (late submissions)
+    # Capacity: when the cluster was last compared with the job's demand, since when it cannot hold it,
+    # the bound on that wait, and how many workers fit when last told (an event per change).
+    capacity_checked_at: float = 0.0
+    short_since: float | None = None
+    short_bound_s: float = 0.0
+    told_fit: int | None = None
 
 
 @dataclass
@@ -173,6 +184,14 @@ class Scheduler:
     # stalled: a node that died mid-collective leaves the others waiting with no error (gloo, NCCL).
     stall_floor_s: float = 300.0
     stall_factor: float = 10.0
+    # How often a running attempt > 1 looks for an earlier attempt Ray runs (a late submission).
+    late_check_s: float = 15.0
+    # How often a running job's demand is compared with the live nodes (service/scheduler/capacity.py),
+    # and how long a job the cluster cannot hold waits for a node before it fails insufficient_resources:
+    # capacity_factor × its start-up time (submission to first step), at least capacity_floor_s.
+    capacity_check_s: float = 5.0
+    capacity_floor_s: float = 60.0
+    capacity_factor: float = 3.0
     _watch: dict[str, _Watch] = field(default_factory=dict)
     _unsubmitted: dict[tuple[str, int], str] = field(default_factory=dict)  # deferred submissions → token
     _last_heartbeat: float = 0.0
@@ -386,6 +405,7 @@ class Scheduler:
         validation = s.get(File, spec.validation_file) if spec.validation_file else None
         out = attempt_dir(self.settings, job.id, attempt)
         model_path = resolve_model(spec.model, self.settings.model_dirs).local_dir
+        store = object_store(self.settings)
         return RunRequest(
             job_id=job.id,
             attempt=attempt,
@@ -394,13 +414,16 @@ class Scheduler:
             validation_path=validation.path if validation else None,
             model_path=model_path,
             output_dir=str(out),
+            object_store=store,
+            output_uri=store.uri(store.key_for(self.settings.storage_dir, out)) if store is not None else None,
             resume_from=self._stage_resume(s, job.id, attempt, out),
             ingest_url=self.settings.api_url.rstrip("/") + INGEST_PATH.format(job_id=job.id),
             ingest_token=token,
             metrics_path=str(spool_path(self.settings, job.id, attempt)),
             plan=job.plan,
             # resources.min_workers: each smaller world size re-planned before the run (service/memory/elastic.py)
-            world_sizes=world_plans(spec, self.settings, model_path=model_path, training_path=training.path),
+            world_sizes=world_plans(spec, self.settings, model_path=model_path,
+                                    training_path=local_path(self.settings, training.path)),
         )
 
     def _stage_resume(self, s: Session, job_id: str, attempt: int, out: Path) -> str | None:
@@ -408,7 +431,11 @@ class Scheduler:
         attempt then current could record it) whose folder is still there, hard-linked into
         ``<attempt>/resume`` — an earlier attempt's Ray Train, should it still run, deletes its old
         checkpoints as it makes new ones (num_to_keep), and a link keeps the files alive. Staged
-        once per attempt (a retried submission reuses it); None when there is nothing to resume."""
+        once per attempt (a retried submission reuses it); None when there is nothing to resume.
+        On object storage the checkpoint is copied inside the bucket instead (:meth:`_stage_resume_in_store`)."""
+        store = object_store(self.settings)
+        if store is not None:
+            return self._stage_resume_in_store(s, store, job_id, attempt, out)
         staged = out / "resume"
         if (staged / "meta.json").is_file():
             return str(staged)
@@ -416,7 +443,12 @@ class Scheduler:
                          .where(Checkpoint.job_id == job_id, Checkpoint.attempt < attempt)
                          .order_by(Checkpoint.step.desc()).limit(10)).all()
         for step, path, from_attempt in rows:
-            src = Path(path)
+            src = located(attempt_dir(self.settings, job_id, from_attempt), path)
+            # A stored path is a worker's claim: link only from this job's own folders (resolved), never
+            # another job's, an upload, or anything a symlink reaches (service/jobs/claimed_paths.py).
+            if not contained(job_dir(self.settings, job_id), src):
+                log.warning("job %s: not resuming from %s: outside the job's own folders", job_id, path)
+                continue
             if not (src / "meta.json").is_file():
                 continue
             part = out / "resume.part"
@@ -431,6 +463,70 @@ class Scheduler:
             return str(staged)
         return None
 
+    def _stage_resume_in_store(self, s: Session, store: ObjectStore, job_id: str, attempt: int, out: Path) -> str | None:
+        """:meth:`_stage_resume` in the bucket: the newest recorded checkpoint whose ``meta.json`` is there,
+        copied server-side to ``<attempt>/resume/`` (``meta.json`` last, so a copy cut short is not taken
+        for a staged one); its ``s3://`` URI, which the workers download (workers/steps.py: latest_checkpoint)."""
+        storage_dir = self.settings.storage_dir
+        staged = store.key_for(storage_dir, out / "resume")
+        if store.size(join(staged, "meta.json")) is not None:
+            return store.uri(staged)
+        own = store.key_for(storage_dir, job_dir(self.settings, job_id))
+        rows = s.execute(select(Checkpoint.step, Checkpoint.path, Checkpoint.attempt)
+                         .where(Checkpoint.job_id == job_id, Checkpoint.attempt < attempt)
+                         .order_by(Checkpoint.step.desc()).limit(10)).all()
+        for step, path, from_attempt in rows:
+            # A stored path is a worker's claim: only under this job's own prefix; '..' is refused, not folded.
+            try:
+                src = store.key_for(storage_dir, located(attempt_dir(self.settings, job_id, from_attempt), path))
+            except StorageEscape:
+                src = None
+            if src is None or not src.startswith(own + "/"):
+                log.warning("job %s: not resuming from %s: outside the job's own folders", job_id, path)
+                continue
+            if store.size(join(src, "meta.json")) is None:
+                continue
+            store.delete_tree(staged)
+            store.copy_tree(src, staged, last="meta.json")
+            with self.sessions.begin() as w:
+                add_event(w, job_id, f"Attempt {attempt} resumes from the checkpoint of step {step} (attempt {from_attempt})",
+                          attempt=attempt, dedupe_key=f"resume-from:{attempt}",
+                          data={"step": step, "checkpoint": store.uri(src), "from_attempt": from_attempt, "attempt": attempt})
+            return store.uri(staged)
+        return None
+
+    def _fence(self, job_id: str, attempt: int) -> bool:
+        """Act on Ray for this job only under a lease held at that moment: renew this scheduler's lease
+        on the job if — and only if — it holds it now (running, this attempt, its owner, not expired).
+        True then, and no other scheduler can adopt the job for a whole lease: longer than the one Ray
+        call that follows, which is given up after half a lease. False: the job is another's (or moved
+        on), and this scheduler does nothing to it in Ray. A scheduler paused past that call's end (a
+        stopped VM) can still make a late submission: any scheduler that sees it stops it
+        (:meth:`_stop_late_submissions`)."""
+        now = utcnow()
+        with self.sessions.begin() as s:
+            result = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.attempt == attempt, Job.status == JobStatus.running.value,
+                       Job.lease_owner == self.owner, Job.lease_expires_at > now)
+                .values(lease_expires_at=now + self.lease)
+                .execution_options(synchronize_session=False)
+            )
+            held = result.rowcount == 1
+        if not held:
+            log.info("job %s attempt %s: not acting on Ray, the lease is not %s's now", job_id, attempt, self.owner)
+        return held
+
+    def _stop_late_submissions(self, job_id: str, attempt: int, watch: _Watch) -> None:
+        """Stop any earlier attempt of the job that Ray runs while ``attempt`` is current: a submission
+        that arrived late (a scheduler that lost its lease mid-call and sent it anyway). Checked when a
+        new attempt is submitted and then every ``late_check_s`` while it runs."""
+        now = time.monotonic()
+        if now - watch.late_checked_at < self.late_check_s:
+            return
+        watch.late_checked_at = now
+        self._stop_earlier_attempts(job_id, attempt)
+
     def _stop_earlier_attempts(self, job_id: str, attempt: int) -> None:
         """A new attempt fences the ones before it in Ray too: any of them still running (a head
         restart that only lost track of it) is stopped. Its records are refused anyway (ingest is
@@ -439,7 +535,7 @@ class Scheduler:
             sid = submission_id(job_id, earlier)
             try:
                 st = self.ray.status(sid)
-                if st is not None and st.status in RAY_ACTIVE:
+                if st is not None and st.status in RAY_ACTIVE and self._fence(job_id, attempt):
                     self.ray.stop(sid)
                     with self.sessions.begin() as s:
                         add_event(s, job_id, f"Stopping {sid}, an earlier attempt still running in Ray", level="warn",
@@ -460,6 +556,8 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - e.g. a file deleted since validation
                 self._fail(job_id, attempt, "submission_failed", f"could not build the run request: {exc}")
                 return
+            # What the tenant may still store: the workers check it before each checkpoint and export.
+            budget = quotas.storage_budget(s, job.tenant_id, self.settings)
         Path(request.output_dir).mkdir(parents=True, exist_ok=True)
         if attempt > 1:
             self._stop_earlier_attempts(job_id, attempt)
@@ -481,11 +579,16 @@ class Scheduler:
             "RAY_JOB_STOP_WAIT_TIME_S": os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", "15"),
             "MEMFIT_JOB_ID": job_id,
             "MEMFIT_ATTEMPT": str(attempt),
+            "MEMFIT_ATTEMPT_DIR": request.output_dir,
+            **({"MEMFIT_STORAGE_BUDGET_BYTES": str(budget)} if budget is not None else {}),
             **{k: v for k, v in os.environ.items() if k.startswith("MEMFIT_WORKER_")},
             **self.extra_env,
         }
         entrypoint = f"{shlex.quote(self.ray.python)} -m workers.run {shlex.quote(str(path))}"
         faults.point("before_submit")
+        if not self._fence(job_id, attempt):  # the lease went while the request was built: not ours to submit
+            self._unsubmitted.pop((job_id, attempt), None)
+            return
         try:
             created = self.ray.submit(sid, entrypoint, env, {"memfit_job_id": job_id, "attempt": str(attempt)})
         except RayUnavailable as exc:
@@ -586,13 +689,17 @@ class Scheduler:
         if st.status != known:
             self._set_ray_status(job_id, attempt, st.status)
         if st.status in RAY_ACTIVE:
+            if attempt > 1:
+                self._stop_late_submissions(job_id, attempt, watch)
+            if desired is None and self._watch_capacity(job_id, attempt, sid, watch):
+                return
             if st.status == "RUNNING":
                 self._watch_restarts(job_id, attempt, sid, watch)
                 if desired is None and self._stalled(job_id, attempt, sid, watch):
                     return
-            if desired == "cancel":
+            if desired == "cancel" and self._fence(job_id, attempt):
                 self.ray.stop(sid)
-            elif desired == "pause" and self._pause_point_reached(job_id, attempt, watch):
+            elif desired == "pause" and self._pause_point_reached(job_id, attempt, watch) and self._fence(job_id, attempt):
                 self.ray.stop(sid)
             return
         # Ray says the job is over. The worker posts its result/failure before the driver exits, so
@@ -666,6 +773,95 @@ class Scheduler:
                           data={"restart": n, "attempt": attempt, "submission_id": sid, "source": source,
                                 "error_count": count})
 
+    def _live_nodes(self):
+        """The cluster's live nodes (Ray's State API, cached for capacity_check_s), or None when unknown."""
+        now = time.monotonic()
+        cached = getattr(self, "_nodes_cache", None)
+        if cached is not None and now - cached[0] < self.capacity_check_s:
+            return cached[1]
+        from service.memory.nodes import read_ray_nodes
+
+        found = read_ray_nodes(self.ray.address, self.ray.auth_mode)
+        nodes = found.nodes if found.error is None else None
+        self._nodes_cache = (now, nodes)
+        return nodes
+
+    def _watch_capacity(self, job_id: str, attempt: int, sid: str, watch: _Watch) -> bool:
+        """Whether the live nodes can hold the job (service/scheduler/capacity.py), said as it changes:
+        an elastic job that fits on fewer workers is told so (Ray Train re-plans it onto them); one the
+        cluster cannot hold is told at once — what it waits for, what the cluster has — and fails
+        ``insufficient_resources`` once no node has come for capacity_factor × its start-up time (at least
+        capacity_floor_s), instead of waiting in silence. True when it ended the job."""
+        from service.scheduler.capacity import Demand, describe, workers_that_fit
+
+        now = time.monotonic()
+        if now - watch.capacity_checked_at < self.capacity_check_s:
+            return False
+        watch.capacity_checked_at = now
+        nodes = self._live_nodes()
+        if nodes is None:
+            return False  # the State API did not answer: nothing is concluded
+        with self.sessions() as s:
+            d = Demand.of(s.scalar(select(Job.spec).where(Job.id == job_id)), self.ray.entrypoint_num_cpus)
+        fit = workers_that_fit(nodes, d)
+        data = {"attempt": attempt, "fit": fit, "num_workers": d.num_workers, "min_workers": d.min_workers,
+                "worker": {"CPU": d.cpus_per_worker, "GPU": d.gpus_per_worker}, "driver_cpus": d.driver_cpus,
+                "nodes": [{"node_id": n.node_id, "CPU": n.cpus, "GPU": n.gpus} for n in nodes]}
+        if fit >= d.num_workers:
+            if watch.short_since is not None or (watch.told_fit is not None and watch.told_fit < d.num_workers):
+                self._tell(job_id, attempt, f"The cluster can hold the run again ({describe(nodes)})",
+                           f"capacity-ok:{attempt}:{len(nodes)}", data, level="info")
+            watch.short_since, watch.told_fit = None, fit
+            return False
+        if fit >= d.min_workers:
+            if watch.told_fit != fit:
+                self._tell(job_id, attempt, f"The cluster's live nodes ({describe(nodes)}) hold {fit} of the run's "
+                           f"{d.num_workers} workers of {d.worker()}: Ray Train runs it on {fit} "
+                           f"(resources.min_workers {d.min_workers}), re-planned for that world size",
+                           f"capacity-elastic:{attempt}:{fit}", data)
+            watch.short_since, watch.told_fit = None, fit
+            return False
+        if watch.short_since is None:
+            watch.short_since, watch.told_fit = now, fit
+            watch.short_bound_s, why = self._capacity_bound(job_id, attempt)
+            self._tell(job_id, attempt, f"Waiting for resources the cluster cannot give: the run needs {d.min_workers} "
+                       f"workers of {d.worker()} each (one node each) and its driver {d.driver_cpus:g} CPU; the "
+                       f"cluster's live nodes have {describe(nodes)}, room for {fit}. Unless a node joins, the job "
+                       f"fails in {watch.short_bound_s:.0f} s ({why})", f"capacity-short:{attempt}:{fit}",
+                       {**data, "bound_s": round(watch.short_bound_s, 1)})
+            return False
+        if now - watch.short_since <= watch.short_bound_s:
+            return False
+        if not self._fence(job_id, attempt):
+            return True
+        self.ray.stop(sid)
+        self._fail(job_id, attempt, "insufficient_resources",
+                   f"The cluster cannot hold the run: it needs {d.min_workers} workers of {d.worker()} each and its "
+                   f"driver {d.driver_cpus:g} CPU, the live nodes ({describe(nodes)}) have room for {fit}, and no node "
+                   f"joined within {watch.short_bound_s:.0f} s; add nodes, or allow fewer workers (resources.min_workers)",
+                   details={**data, "waited_s": round(now - watch.short_since, 1), "submission_id": sid})
+        return True
+
+    def _capacity_bound(self, job_id: str, attempt: int) -> tuple[float, str]:
+        """capacity_factor × the attempt's start-up time (its submission to its first step), at least
+        capacity_floor_s; capacity_factor × capacity_floor_s before a first step."""
+        with self.sessions() as s:
+            submitted = s.scalar(select(JobEvent.created_at).where(
+                JobEvent.job_id == job_id, JobEvent.dedupe_key == f"submit:{attempt}"))
+            first = s.scalar(select(JobEvent.created_at).where(
+                JobEvent.job_id == job_id, JobEvent.attempt == attempt, JobEvent.type == "metrics")
+                .order_by(JobEvent.created_at).limit(1))
+        if submitted is not None and first is not None and first > submitted:
+            startup = (first - submitted).total_seconds()
+            bound = max(self.capacity_floor_s, self.capacity_factor * startup)
+            return bound, f"{self.capacity_factor:g} × its start-up time of {startup:.0f} s, at least {self.capacity_floor_s:g} s"
+        bound = self.capacity_factor * self.capacity_floor_s
+        return bound, f"{self.capacity_factor:g} × {self.capacity_floor_s:g} s before its first step"
+
+    def _tell(self, job_id: str, attempt: int, message: str, dedupe: str, data: dict, level: str = "warn") -> None:
+        with self.sessions.begin() as s:
+            add_event(s, job_id, message, level=level, attempt=attempt, dedupe_key=dedupe, data=data)
+
     def _stalled(self, job_id: str, attempt: int, sid: str, watch: _Watch) -> bool:
         """Whether the attempt has stalled, and if so act: a job event, the Ray job stopped, and a new
         attempt queued that resumes from the latest checkpoint — or, once ``training.max_failures``
@@ -701,6 +897,8 @@ class Scheduler:
         what = (f"No training step for {idle_s:.0f} s after step {step} (the bound is {bound_s:.0f} s: {why})")
         data = {"step": step, "idle_s": round(idle_s, 1), "bound_s": round(bound_s, 1), "attempt": attempt,
                 "restarts": restarts, "max_failures": max_restarts, "submission_id": sid}
+        if not self._fence(job_id, attempt):  # another scheduler's job now: it decides
+            return True
         self.ray.stop(sid)  # the ranks still alive are waiting on a collective that will never complete
         if restarts >= max_restarts:
             self._fail(job_id, attempt, "stalled",
@@ -953,11 +1151,14 @@ def _retry_detail(following: list[str]) -> tuple[str | None, str | None]:
 
 
 def _link_tree(src: Path, dst: Path) -> None:
-    """Copy a folder as hard links (a copy where the file system refuses links)."""
-    for dirpath, _, filenames in os.walk(src):
+    """Copy a folder as hard links (a copy where the file system refuses links). Regular files only:
+    a symlink in it (which a link would carry over, pointing wherever it points) is left out."""
+    for dirpath, _, filenames in os.walk(src):  # never into a symlinked folder
         target = dst / Path(dirpath).relative_to(src)
         target.mkdir(parents=True, exist_ok=True)
         for name in filenames:
+            if not stat.S_ISREG(os.lstat(Path(dirpath) / name).st_mode):
+                continue
             try:
                 os.link(Path(dirpath) / name, target / name)
             except OSError:

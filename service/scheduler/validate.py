@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from service.domain.errors import ErrorInfo, ValidationFailed
 from service.domain.model_ref import ModelRefError, resolve_model
 from service.domain.spec import JobSpec
+from service.domain.storage import StorageEscape, local_path
 from service.settings import Settings
 from service.store.models import File, Job
 
@@ -56,14 +57,18 @@ def validate_job(session: Session, job: Job, settings: Settings) -> tuple[JobSpe
         row = session.get(File, file_id)
         if row is None or row.tenant_id != job.tenant_id:
             raise ValidationFailed("file_not_found", f"no file {file_id!r}", param)
-        if not Path(row.path).is_file():
+        try:
+            local = local_path(settings, row.path)  # an upload in object storage: its local copy
+        except (OSError, StorageEscape):
+            local = None
+        if local is None or not Path(local).is_file():
             raise ValidationFailed("file_missing", f"the content of {file_id!r} is missing from storage", param)
         try:
-            validate_jsonl(row.path)
+            validate_jsonl(local)
         except DataError as exc:
             raise ValidationFailed("invalid_file", f"{row.filename}: {exc}", param,
                                    {"file_id": file_id, "line": exc.line}) from exc
-        paths[param] = row.path
+        paths[param] = local
     try:
         model_path = resolve_model(spec.model, settings.model_dirs).local_dir
     except ModelRefError as exc:

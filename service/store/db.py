@@ -7,9 +7,11 @@ Postgres goes through psycopg 3. Schema changes only ever come from Alembic (:fu
 
 from __future__ import annotations
 
+import math
 import select
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -27,8 +29,44 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str, *, pool_size: int = 20, echo: bool = False) -> Engine:
+@dataclass(frozen=True)
+class DbTimeouts:
+    """How long memfit waits on Postgres (settings ``db_*``): a database that stops answering — a
+    crashed host, a partition, a proxy that black-holes the traffic, a hung server — costs a request
+    its timeout and a 503, never a hung API or scheduler.
+
+    - ``connect_s``: establishing a connection (libpq ``connect_timeout``, the handshake included);
+    - ``statement_s``: one round trip — the server's ``statement_timeout``, and on the client a
+      deadline of ``statement_s`` + 1 s on every wait for an answer (:class:`_DeadlineConnection`):
+      past it the connection is closed (the pool replaces it) and the call fails as a lost connection;
+    - ``keepalive_idle_s``: TCP keepalives on an idle connection (probes every third of it, 3 of them)
+      and a TCP user timeout of the same total, so the kernel notices a peer that vanished."""
+
+    connect_s: float = 5.0
+    statement_s: float = 30.0
+    keepalive_idle_s: float = 10.0
+
+    @classmethod
+    def from_settings(cls, settings) -> "DbTimeouts":
+        return cls(settings.db_connect_timeout_s, settings.db_statement_timeout_s, settings.db_keepalive_idle_s)
+
+    @property
+    def deadline_s(self) -> float:
+        return self.statement_s + 1.0
+
+    def libpq(self) -> dict:
+        """The libpq connection parameters (psycopg's connect keywords) that carry these."""
+        interval = max(1, round(self.keepalive_idle_s / 3))
+        idle = max(1, round(self.keepalive_idle_s))
+        return {"connect_timeout": max(2, math.ceil(self.connect_s)), "keepalives": 1, "keepalives_idle": idle,
+                "keepalives_interval": interval, "keepalives_count": 3,
+                "tcp_user_timeout": int((idle + 3 * interval) * 1000),
+                "options": f"-c statement_timeout={int(self.statement_s * 1000)}"}
+
+
+def make_engine(url: str, *, pool_size: int = 20, echo: bool = False, timeouts: DbTimeouts | None = None) -> Engine:
     url = normalize_url(url)
+    timeouts = timeouts or DbTimeouts()
     if url.startswith("sqlite"):
         engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -51,9 +89,45 @@ def make_engine(url: str, *, pool_size: int = 20, echo: bool = False) -> Engine:
     # dies while in use invalidates the whole pool (SQLAlchemy's own handling of a disconnect), so
     # the other stale ones are not handed out either. LIFO keeps the busy few warm.
     engine = create_engine(url, echo=echo, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800,
-                           pool_use_lifo=True)
+                           pool_use_lifo=True, pool_timeout=timeouts.statement_s, connect_args=timeouts.libpq())
     watch_stale_connections(engine)
+    deadline_on_every_wait(engine, timeouts.deadline_s)
     return engine
+
+
+def deadline_on_every_wait(engine: Engine, deadline_s: float) -> None:
+    """Connect ``engine``'s pool through :class:`_DeadlineConnection`: no wait for the server outlives
+    ``deadline_s``. The server's statement_timeout ends a slow query first, with its own error; this
+    deadline is for a server that cannot answer at all (its kernel still acknowledging, or a proxy in
+    between that does), where no TCP timeout ever fires."""
+    import psycopg
+
+    cls = type("DeadlineConnection", (_DeadlineConnection, psycopg.Connection), {"deadline_s": deadline_s})
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(dialect, conn_rec, cargs, cparams):
+        return cls.connect(*cargs, **cparams)
+
+
+class _DeadlineConnection:
+    """A psycopg Connection whose every wait for the server (a query, a commit, a ping) is given up
+    after ``deadline_s``: the connection is then closed — its protocol state is unknown — so SQLAlchemy
+    sees a lost connection (the pool drops it; the API answers 503 database_unavailable)."""
+
+    deadline_s: float | None = None
+
+    def wait(self, gen, interval=0.1, timeout=None):
+        import psycopg
+        from psycopg import errors
+
+        if timeout is not None or not self.deadline_s:
+            return super().wait(gen, interval=interval, timeout=timeout)
+        try:
+            return super().wait(gen, interval=interval, timeout=self.deadline_s)
+        except errors._WaitTimeout:
+            self.pgconn.finish()  # closed: SQLAlchemy's is_disconnect sees it, the pool discards it
+            raise psycopg.OperationalError(f"the database did not answer within {self.deadline_s:g} s "
+                                           "(MEMFIT_DB_STATEMENT_TIMEOUT_S + 1 s); connection closed") from None
 
 
 PING_IDLE_S = 30.0  # a connection idle this long in the pool is pinged on checkout all the same

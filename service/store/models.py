@@ -95,6 +95,18 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
+class WebSession(Base):
+    """A dashboard login (service/store/web_sessions.py): the browser's cookie holds a random session
+    token, never the API key; only the token's sha256 is stored. Valid until ``expires_at``, a logout,
+    or the key's revocation."""
+
+    __tablename__ = "web_sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, doc="sha256 hex of the cookie's session token.")
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
 class File(Base):
     __tablename__ = "files"
     __table_args__ = (Index(None, "tenant_id", "created_at", "id"),)

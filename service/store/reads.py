@@ -28,20 +28,19 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.sql import Executable
 
 from service.domain.errors import DatabaseUnavailable
-from service.store.db import must_ping
+from service.store.db import DbTimeouts, must_ping
 
 T = TypeVar("T")
-
-CONNECT_TIMEOUT_S = 5
 
 
 class Reads:
     """SELECTs for the API on one engine's database: on the event loop over Postgres once
     :meth:`open` has run in the loop that serves requests, in a worker thread otherwise."""
 
-    def __init__(self, engine: Engine, *, size: int = 8):
+    def __init__(self, engine: Engine, *, size: int = 8, timeouts: DbTimeouts | None = None):
         self.engine = engine
         self.size = size
+        self.timeouts = timeouts or DbTimeouts()
         self._compiled: dict[int, tuple[Executable, str, dict[str, Any]]] = {}  # id(statement) → SQL
         self._pool: _Pool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -66,7 +65,7 @@ class Reads:
         url = self.engine.url.set(drivername="postgresql")
         if "application_name" not in url.query:  # one given in the database URL names these too
             url = url.update_query_dict({"application_name": "memfit-api-reads"})
-        self._pool = _Pool(url.render_as_string(hide_password=False), self.size, self.observers)
+        self._pool = _Pool(url.render_as_string(hide_password=False), self.size, self.observers, self.timeouts)
         self._loop = asyncio.get_running_loop()
 
     async def close(self) -> None:
@@ -111,9 +110,10 @@ class Reads:
 class _Pool:
     """Up to ``size`` autocommit AsyncConnections, the most recently used handed out first."""
 
-    def __init__(self, url: str, size: int, observers: list):
+    def __init__(self, url: str, size: int, observers: list, timeouts: DbTimeouts):
         self.url = url
         self.observers = observers
+        self.timeouts = timeouts
         self.idle: list[tuple[Any, float]] = []  # (connection, idle since)
         self.slots = asyncio.Semaphore(size)
         self.closed = False
@@ -126,7 +126,7 @@ class _Pool:
             for observe in self.observers:
                 observe("statement", sql)
             try:
-                return await _fetch(conn, sql, params)
+                return await _fetch(conn, sql, params, self.timeouts.deadline_s)
             except psycopg.OperationalError as exc:
                 await _discard(conn)
                 conn = None
@@ -135,7 +135,7 @@ class _Pool:
                 await self._drop_idle()  # the others were opened to the same server: as stale
                 conn, _ = await self._take()
                 try:
-                    return await _fetch(conn, sql, params)
+                    return await _fetch(conn, sql, params, self.timeouts.deadline_s)
                 except psycopg.OperationalError as again:
                     await _discard(conn)
                     conn = None
@@ -150,7 +150,7 @@ class _Pool:
             observe("checkout", None)
         while self.idle:
             conn, since = self.idle.pop()
-            if await _alive(conn, since):
+            if await _alive(conn, since, self.timeouts.deadline_s):
                 return conn, True
             await _discard(conn)
         import psycopg
@@ -158,7 +158,7 @@ class _Pool:
 
         try:
             conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True, row_factory=namedtuple_row,
-                                                         connect_timeout=CONNECT_TIMEOUT_S)
+                                                         **self.timeouts.libpq())
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable("The database is unavailable; retry shortly") from exc
         for observe in self.observers:
@@ -183,12 +183,23 @@ class _Pool:
         await self._drop_idle()
 
 
-async def _fetch(conn, sql: str, params: dict[str, Any]) -> list:
-    cursor = await conn.execute(sql, params)
-    return await cursor.fetchall()
+async def _fetch(conn, sql: str, params: dict[str, Any], deadline_s: float) -> list:
+    """The rows, or OperationalError once ``deadline_s`` passed without an answer (the connection is
+    then closed: its protocol state is unknown) — as the sync engine's deadline (service/store/db.py)."""
+    import psycopg
+
+    async def run():
+        cursor = await conn.execute(sql, params)
+        return await cursor.fetchall()
+
+    try:
+        return await asyncio.wait_for(run(), deadline_s)
+    except asyncio.TimeoutError:
+        conn.pgconn.finish()
+        raise psycopg.OperationalError(f"the database did not answer within {deadline_s:g} s") from None
 
 
-async def _alive(conn, idle_since: float) -> bool:
+async def _alive(conn, idle_since: float, deadline_s: float) -> bool:
     """The stale-connection check of service/store/db.py (must_ping): the socket first, a ping only
     if it has something to say (the server's goodbye) or the connection sat idle."""
     import psycopg
@@ -201,8 +212,8 @@ async def _alive(conn, idle_since: float) -> bool:
     except (OSError, ValueError):
         return False
     try:
-        await conn.execute("SELECT 1")
-    except psycopg.Error:
+        await asyncio.wait_for(conn.execute("SELECT 1"), deadline_s)
+    except (psycopg.Error, asyncio.TimeoutError):
         return False
     return True
 

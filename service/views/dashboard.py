@@ -114,7 +114,21 @@ def capacity_for(job: Job, spec_training: dict) -> tuple[int | None, str | None]
 # --- samples ------------------------------------------------------------------------------------
 
 
-def sample_point(s: MemorySample) -> dict[str, Any]:
+def step_predictor(job: Any):
+    """(rank, a sample's micro-batches) → the predicted live peak of that step (service/memory/step_compare.py),
+    for the chart's predicted line; None where the job's plan cannot say."""
+    from service.memory.step_compare import predicted_step, step_planner
+
+    try:
+        sp = step_planner(job.id, job.spec, job.plan)
+    except Exception:  # noqa: BLE001 - a stored spec or plan the planner cannot read: no predicted line
+        sp = None
+    if sp is None:
+        return None
+    return lambda rank, micro_batches: predicted_step(sp, rank, micro_batches)
+
+
+def sample_point(s: MemorySample, predict=None) -> dict[str, Any]:
     other = None
     if s.temporary_bytes is not None or s.other_bytes is not None:
         other = (s.temporary_bytes or 0) + (s.other_bytes or 0)
@@ -124,6 +138,8 @@ def sample_point(s: MemorySample) -> dict[str, Any]:
         "activations": s.activations_bytes, "other": other, "peak": s.peak_bytes, "rss": s.process_rss_bytes,
         "host": {"parameters": s.host_parameters_bytes, "gradients": s.host_gradients_bytes,
                  "optimizer_states": s.host_optimizer_bytes},
+        # the plan of this step's own micro-batches (the chart's predicted line)
+        "predicted": predict(s.rank, (s.device or {}).get("micro_batches")) if predict is not None else None,
     }
 
 
@@ -144,23 +160,25 @@ def bucket_point(b: SeriesRollup) -> dict[str, Any]:
     }
 
 
-def memory_samples_after(session: Session, job_id: str, after_id: int = 0, limit: int = 1000) -> list[dict]:
+def memory_samples_after(session: Session, job_id: str, after_id: int = 0, limit: int = 1000, job=None) -> list[dict]:
     """Step-phase samples (one per rank per sampled step) newer than ``after_id``, oldest first: the
-    page's live updates, one page of ``limit`` at a time."""
+    page's live updates, one page of ``limit`` at a time (with ``job``, each with its step's prediction)."""
     q = (select(MemorySample).where(MemorySample.job_id == job_id, MemorySample.id > after_id,
                                     MemorySample.phase == "step")
          .order_by(MemorySample.id).limit(limit))
-    return [sample_point(s) for s in session.scalars(q)]
+    predict = step_predictor(job) if job is not None else None
+    return [sample_point(s, predict) for s in session.scalars(q)]
 
 
-def memory_chart(session: Session, job_id: str, hs: list[SeriesHead]) -> tuple[list[dict], int]:
+def memory_chart(session: Session, job_id: str, hs: list[SeriesHead], job=None) -> tuple[list[dict], int]:
     """(the latest attempt's chart points per rank — at most series.MAX_BUCKETS buckets, then the last
     series.RECENT_STEPS steps' step-phase samples — by rank and step; the newest sample id)."""
     attempt = series.latest_attempt(hs)
     if attempt is None:
         return [], 0
     buckets, raw = series.memory_points(session, job_id, attempt, hs, phase="step")
-    points = [bucket_point(b) for bs in buckets.values() for b in bs] + [sample_point(s) for s in raw]
+    predict = step_predictor(job) if job is not None else None
+    points = [bucket_point(b) for bs in buckets.values() for b in bs] + [sample_point(s, predict) for s in raw]
     points.sort(key=lambda p: (p["rank"], p["step"]))
     return points, max((s.id for s in raw), default=0)
 
@@ -179,12 +197,18 @@ def compare_job(session: Session, job: Job, plan: Plan | None, hs: list[SeriesHe
     view_job = SimpleNamespace(id=job.id, status=job.status, attempt=job.attempt,
                                plan=plan.model_dump(mode="json") if plan is not None else None,
                                memory_summary=job.memory_summary)
+    from service.jobs.crud import phase_samples
+
     attempt, peaks = series.memory_peaks(hs)  # the page charts the points itself: only the peaks here
-    view = job_memory_view(view_job, [], peaks=peaks, attempt=attempt)
+    phases, steps = [], []
+    if attempt is not None:
+        phases = phase_samples(session, job.id, attempt)
+        steps = series.memory_points(session, job.id, attempt, hs, phase="step")[1]
+    view = job_memory_view(view_job, steps, peaks=peaks, attempt=attempt, phase_samples=phases)
     per_rank = {r: [{**row, "label": COMPARED_LABELS.get(row["category"], row["category"])} for row in rows]
                 for r, rows in view["per_rank"].items()}
     data = plan.data if plan is not None else None
-    return {"has_plan": view["has_plan"], "predicted": view["predicted"], "per_rank": per_rank,
+    return {"has_plan": view["has_plan"], "predicted": view["predicted"], "per_rank": per_rank, "phases": view["phases"],
             "steady_state_from_step": view["steady_state_from_step"], "error_definition": view["error_definition"],
             # what the prediction was made for, and the bound beside it (service/memory/data.py)
             "data_measured": bool(data and data.measured), "data_reason": data.reason if data else None,
@@ -220,7 +244,7 @@ def job_view(session: Session, principal: Principal, settings: Settings, job_id:
     metrics = series.metric_points(session, job_id)  # rank 0's, bounded whatever the run's length
     steps = sorted(metrics)
     hs = series.heads(session, job_id, series.MEMORY)
-    samples, last_sample_id = memory_chart(session, job_id, hs)
+    samples, last_sample_id = memory_chart(session, job_id, hs, job)
     capacity, capacity_label = capacity_for(job, training)
     plan, plan_source = plan_of(job, settings)
     comparison = compare_job(session, job, plan, hs)
