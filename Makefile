@@ -1,12 +1,17 @@
 # The two commands of the README, each installing what it needs first.
 #   make demo   — one fine-tune end to end on the embedded service (SQLite + local Ray + API + scheduler)
 #   make test   — the whole test suite (a Postgres on 127.0.0.1:5432 if one answers, else a throwaway one of its own)
+# And what a contributor runs between them:
+#   make test-fast — the tests that start no Ray and train nothing (the inner loop, under 3 minutes)
+#   make lint      — ruff over the code, the tests and the benchmarks
+#   make docs      — the docs site, mkdocs build --strict into site/
+#   make bench     — the quick form of every benchmark (each prints its figures; the docs give the full forms)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memfit-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,7 +19,7 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first: pip takes the file on disk here and the CUDA build on a GPU node;
 	# the range in pyproject.toml is then already met, so no resolver pulls a multi-GB build.
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[train,dev]"
+	$(BIN)/python -m pip install -q -e ".[train,dev,integrations]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,8 +27,40 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/memfit run examples/tiny-lora.yaml
 
+# Two pytest-xdist processes: the shared Ray head's tests run in one (one group, tests/conftest.py), the
+# rest in the other, at the same time. PYTEST_ARGS adds to it (e.g. --durations=30, -n 0 for one process).
+PYTEST := $(BIN)/python -m pytest -q -rfEs -p no:cacheprovider -n 2 --dist loadgroup
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rfEs -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PYTEST) -m "not ray and not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# Each benchmark's smallest honest run: few rounds and short loads, so the figures are rough; the full
+# command of each is on its page of the docs (docs/benchmarks/).
+bench: $(STAMP)
+	$(BIN)/python bench/memory_accuracy.py --quick
+	$(BIN)/python bench/memory_techniques.py --hidden 256 --layers 2 --seq 128 --only ddp-fp32,fsdp2x2
+	$(BIN)/python bench/chunked_loss_cost.py --seq 128 --rounds 1 --steps 2
+	$(BIN)/python bench/train_overhead.py --rounds 1 --steps 5
+	$(BIN)/python bench/vs_trl.py --quick
+	$(BIN)/python bench/checkpoint_io.py --ranks 1 2 --rounds 1 --layers 2 --hidden 256 --vocab 8000
+	$(BIN)/python bench/gpu_check.py --dry-run
+	$(BIN)/python bench/api_wrk.py --rounds 1 --duration 2 --warmup 1 --jobs 20 --no-count
+	$(BIN)/python bench/api_load.py --requests 200 --concurrency 8
+	$(BIN)/python bench/stream_fanout.py --clients 5 --events 20 --db sqlite
+	$(BIN)/python bench/long_job.py --steps 2000 --ranks 2 --rounds 1
+	$(BIN)/python bench/submit_cost.py --rounds 2
+	$(BIN)/python bench/serve_start.py --rounds 1
+	$(BIN)/python bench/job_latency.py --runs 1
+	$(BIN)/python bench/serving.py --rounds 1 --tokens 16 --adapters 2 --concurrency 2
+
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .memfit test-artifacts
