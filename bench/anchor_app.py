@@ -66,8 +66,7 @@ def job_body(row) -> dict:
         "organization_id": row.tenant_id, "training_file": row.training_file, "validation_file": row.validation_file,
         "result_files": row.result_files or [], "seed": row.seed, "suffix": row.suffix,
         "trained_tokens": row.trained_tokens, "hyperparameters": hyperparameters,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}, "dpo": None,
-                   "reinforcement": None},
+        "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
         "metadata": row.metadata, "integrations": spec.get("integrations"), "status": row.status, "error": row.error,
         "training": spec["training"], "attempt": row.attempt, "desired_state": row.desired_state,
         "memory": row.memory_summary if row.memory_summary is not None else (

@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests import pgserver  # noqa: E402
+from service.ports import free_port  # noqa: E402
 
 LUA_DIR = ROOT / "bench" / "wrk"
 READY_TIMEOUT_S = 180  # imports and the first connection on a loaded 2-core machine
@@ -83,12 +83,6 @@ def database_name(url: str) -> str:
 
 
 # --- servers ----------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

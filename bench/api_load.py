@@ -33,10 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.api_harness import postgres_admin  # noqa: E402
 from service.scheduler.local_head import free_port  # noqa: E402
-from service.store import (
-    auth,  # noqa: E402
-    db,
-)
+from service.store import auth, db  # noqa: E402
 from tests import pgserver  # noqa: E402
 
 DATA = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n' * 20

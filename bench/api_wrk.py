@@ -5,7 +5,8 @@
 
 Starts, on this machine and on a throwaway Postgres database (a private server from
 tests/pgserver.py, so the bench neither fills nor measures the shared one; ``--shared-postgres``
-for the tests' server): memfit's real API (``uvicorn --factory api.app:create_app``, no scheduler) and the anchor, a minimal FastAPI + SQLAlchemy app on the same database
+for the tests' server): memfit's real API (``uvicorn --factory api.app:create_app``, no scheduler) and the anchor,
+a minimal FastAPI + SQLAlchemy app on the same database
 (bench/anchor_app.py: the key looked up by prefix and checked by its sha256, the job selected by
 id, two queries). It seeds a tenant with an API key and a realistic set of jobs through the real
 API (bench/api_harness.py: seed), then drives, with ``wrk -t2 -c32 -d10s --latency`` and the key's

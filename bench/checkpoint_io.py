@@ -36,12 +36,12 @@ import gc
 import os
 import re
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from service.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -59,12 +59,6 @@ def _reset_peak() -> int:
     """Reset VmHWM to the current RSS; returns that RSS in bytes."""
     Path("/proc/self/clear_refs").write_text("5")
     return _status_kib("VmRSS") * 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(hidden: int, layers: int, vocab: int, world: int):

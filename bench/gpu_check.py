@@ -24,6 +24,10 @@ telemetry — for ``--steps`` steps; the last step is measured on its own:
 - telemetry: the worker's own per-step peak record (workers/telemetry.py) of the step before;
 - err%: (predicted live − allocated) / allocated, and (predicted device − device-used) / device-used.
 
+``steps`` trains micro-batches of two rows of other lengths at every step (STEP_ROWS: padded to the longer row,
+the shorter masked) and compares each step's peak with the plan of its own micro-batch (service/memory/steps.py:
+the per-step comparison of GET …/memory), printed step by step under the table.
+
 ``oom`` trains an oversized config (full fp32, micro-batch 16, no checkpointing) that must run out of
 memory: the worker's failure record (workers/steps.py write_failure) is completed by the job-level
 post-mortem (service/memory/oom.py oom_error) and its dominant category and suggestions are printed.
@@ -60,9 +64,23 @@ TINY = dict(LLAMA_1B, hidden_size=64, intermediate_size=176, num_hidden_layers=2
             num_key_value_heads=2, head_dim=16, vocab_size=2048, max_position_embeddings=512)
 
 SEQ, SEQ_TINY = 2048, 256
+# ``steps``: each step's two rows, as fractions of the sequence length (padded to the longer, masked when shorter)
+STEP_ROWS = ((1.0, 1.0), (0.25, 0.7), (0.5, 0.5), (0.9, 0.15), (0.6, 1.0), (0.3, 0.3))
+
+# The scale plan's shapes (bench/scale_plan.py: Llama-3.1-8B and 70B), cut to the layers one GPU holds with a full
+# fine-tune's AdamW states: real widths (hidden, MLP, vocabulary) checked on a GPU when one is lent.
+LLAMA_31_8B_2L = dict(LLAMA_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False)
+LLAMA_31_70B_1L = dict(LLAMA_31_8B_2L, hidden_size=8192, intermediate_size=28672, num_hidden_layers=1,
+                       num_attention_heads=64)
+SCALE_MODELS = {"scale-8b-2l": ("llama31-8b-2l", LLAMA_31_8B_2L, 8192), "scale-70b-1l": ("llama31-70b-1l", LLAMA_31_70B_1L, 4096)}
 
 # name -> (TrainArgs overrides, needs CUDA on main). Every config is one worker (world size 1).
 CONFIGS: dict[str, tuple[dict, bool]] = {
+    # each step a micro-batch of 2 rows of other lengths, each compared with the plan of its own micro-batch. First:
+    # on CPU every config shares the process, and DeepSpeed's ZeRO-3 leaves torch patched after it (the same step
+    # then measures 0.45 MiB less: --dry-run --only zero3-offload,steps)
+    "steps": ({"precision": "bf16", "micro_batch_size": 2}, False),
     "full-bf16": ({"precision": "bf16"}, False),
     "full-bf16-ckpt": ({"precision": "bf16", "gradient_checkpointing": True}, False),
     "lora": ({"precision": "bf16", "peft_method": "lora", "peft_r": 16}, False),
@@ -73,6 +91,10 @@ CONFIGS: dict[str, tuple[dict, bool]] = {
     "activation-offload": ({"precision": "bf16", "activation_offload": True}, False),
     "fp16": ({"precision": "fp16"}, True),
     "oom": ({"precision": "fp32", "micro_batch_size": 16}, False),
+    # bench/scale_plan.py's configurations at their real widths (SCALE_MODELS): the full fine-tune with FSDP2's
+    # regime on one GPU, checkpointing every block, one sequence of 8192 (70B: 4096) tokens
+    "scale-8b-2l": ({"precision": "bf16", "strategy": "fsdp", "gradient_checkpointing": True}, False),
+    "scale-70b-1l": ({"precision": "bf16", "strategy": "fsdp", "gradient_checkpointing": True}, False),
 }
 TINY_OVERRIDES = {"chunked-loss": {"loss_chunk_tokens": 128}, "oom": {"micro_batch_size": 2}}
 
@@ -128,12 +150,26 @@ def gpu_name(device_name: str) -> str:
 # --- one config, in its own process -------------------------------------------------------------------
 
 
-def _batches(args, vocab: int, step: int) -> list[dict]:
+def _batches(args, vocab: int, step: int, rows: tuple[int, ...] | None = None) -> list[dict]:
+    """One micro-batch of random ids; ``rows``: each row's tokens (right-padded to the longest, as collate pads)."""
     import torch
 
     g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, vocab, (args.micro_batch_size, args.max_seq_length), generator=g)
-    return [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
+    if rows is None:
+        ids = torch.randint(0, vocab, (args.micro_batch_size, args.max_seq_length), generator=g)
+        return [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
+    width = max(rows)
+    ids = torch.randint(0, vocab, (len(rows), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(rows):
+        mask[i, :n] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return [{"input_ids": ids, "attention_mask": mask, "labels": labels}]
+
+
+def step_rows(args, step: int) -> tuple[int, ...]:
+    """``steps``' rows of a step (1-based), cycling through STEP_ROWS."""
+    return tuple(max(8, int(f * args.max_seq_length)) for f in STEP_ROWS[(step - 1) % len(STEP_ROWS)])
 
 
 def config_args(name: str, model_dir: str, on_gpu: bool, steps: int, tiny: bool, workdir: str):
@@ -142,8 +178,9 @@ def config_args(name: str, model_dir: str, on_gpu: bool, steps: int, tiny: bool,
 
     overrides = {**CONFIGS[name][0], **(TINY_OVERRIDES.get(name, {}) if tiny else {})}
     out_dir = str(Path(workdir) / "runs" / name)  # the worker's output_dir: an OOM record lands here
+    seq = SEQ_TINY if tiny else (SCALE_MODELS[name][2] if name in SCALE_MODELS else SEQ)
     args = TrainArgs(**{**dict(job_id=f"gpu-check-{name}", output_dir=out_dir, training_path="-", model="gpu-check",
-                               model_path=model_dir, micro_batch_size=1, max_seq_length=SEQ_TINY if tiny else SEQ,
+                               model_path=model_dir, micro_batch_size=1, max_seq_length=seq,
                                max_steps=steps, learning_rate=1e-5, telemetry_every_steps=1,
                                memory_trace_every_steps=0 if on_gpu else 1), **overrides})
     if name == "oom" and not on_gpu:  # a CPU worker runs out of its host budget instead (workers/telemetry.py)
@@ -179,9 +216,33 @@ def run_config(name: str, model_dir: str, device_name: str, steps: int, tiny: bo
         return row
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    model = build_model(args, model_dir)
-    engine = None
     env = W.WorkerEnv(0, 1, device)
+    if args.strategy == "fsdp":  # the scale plan's configs: FSDP2 as the workers build it, its weights read per rank
+        import torch.distributed as dist
+
+        from workers.local import _free_port
+        from workers.strategies.common import materialize
+        from workers.strategies.fsdp import shard_fsdp2
+        from workers.telemetry import PhaseMeter
+
+        for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "LOCAL_RANK": "0",
+                     "WORLD_SIZE": "1"}.items():
+            os.environ.setdefault(k, v)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1)
+        meter = PhaseMeter(0, device)
+        with meter.measure("load", 0):
+            model = build_model(args, model_dir, on_meta=True)
+            model = shard_fsdp2(model, device, 1, regime=training_regime(args), reshard_after_forward=True,
+                                cpu_offload=False)
+            materialize(model, model_dir, device)
+        load = meter.records()[0]
+        row["load_host_bytes"] = load["process_rss_bytes"]
+        row["load_device_bytes"] = load["device"].get("max_memory_allocated")
+        row["predicted_load_device_bytes"] = plan.job_phases.phases["load"].device_bytes if plan.job_phases else None
+    else:
+        model = build_model(args, model_dir)
+    engine = None
     if args.strategy == "deepspeed":
         from service.domain.training import deepspeed_buckets
         from workers.models import hidden_size
@@ -208,7 +269,7 @@ def run_config(name: str, model_dir: str, device_name: str, steps: int, tiny: bo
         amp, scaler, tel_model = None, None, engine.module
         offload = {"optimizer": args.ds_offload_optimizer, "param": args.ds_offload_param}
     else:
-        if args.peft_method != "qlora":  # QLoRA's base is loaded onto the GPU by from_pretrained
+        if args.peft_method != "qlora" and args.strategy != "fsdp":  # QLoRA's base is loaded onto the GPU by from_pretrained
             model = model.to(device)
         optimizer = W.make_optimizer(model, args.learning_rate, 0.0)
         scheduler = W.warmup_cosine(optimizer, 0, steps)
@@ -220,6 +281,8 @@ def run_config(name: str, model_dir: str, device_name: str, steps: int, tiny: bo
     tel.plan = plan.model_dump(mode="json")
     vocab = model.config.vocab_size
     (engine or model).train()
+
+    rows_of = (lambda step: step_rows(args, step)) if name == "steps" else (lambda step: None)
 
     def one_step(step: int, telemetry) -> None:
         where = {"phase": "forward"}
@@ -234,7 +297,8 @@ def run_config(name: str, model_dir: str, device_name: str, steps: int, tiny: bo
                 where["phase"] = "optimizer"
                 engine.step()
             else:
-                W.accumulate_gradients(model, _batches(args, vocab, step), amp_dtype=amp, scaler=scaler, **kw)
+                W.accumulate_gradients(model, _batches(args, vocab, step, rows_of(step)), amp_dtype=amp, scaler=scaler,
+                                       **kw)
                 where["phase"] = "optimizer"
                 W.clip_and_step(model, optimizer, scheduler, args.max_grad_norm, scaler)
             if telemetry is not None:
@@ -243,6 +307,10 @@ def run_config(name: str, model_dir: str, device_name: str, steps: int, tiny: bo
             row["oom"] = _post_mortem(args, env, exc, step, where["phase"], telemetry or tel, spec, settings, plan)
             raise
 
+    if name == "steps":  # every step measured, each against the plan of its own micro-batch
+        row["steps"] = per_step(args, spec, plan, one_step, tel, device, max(steps, len(STEP_ROWS) + 2))
+        row["seconds"] = time.perf_counter() - t0
+        return row
     try:
         for step in range(1, steps):  # warm-up: optimizer states exist from step 1's end on
             one_step(step, tel)
@@ -272,6 +340,37 @@ def run_config(name: str, model_dir: str, device_name: str, steps: int, tiny: bo
     return row
 
 
+def per_step(args, spec, plan, one_step, tel, device, steps: int) -> list[dict]:
+    """``steps``: from step 3 (the optimizer states exist), each step's peak — max_memory_allocated over the step on a
+    GPU, the telemetry's traced peak on CPU — against service/memory/steps.py's plan of its own micro-batch."""
+    import torch
+
+    from service.memory.step_compare import shape_of
+    from service.memory.steps import StepPlanner
+
+    sp = StepPlanner(spec, shape_of(plan), plan.gpu, plan.safety_margin)
+    out = []
+    for step in range(1, steps + 1):
+        on_gpu = device.type == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        one_step(step, tel)
+        records = tel.end_step(step)
+        if step < 3:
+            continue
+        if on_gpu:
+            torch.cuda.synchronize(device)
+            measured = torch.cuda.max_memory_allocated(device)
+        else:
+            measured = records[0].get("peak_bytes") if records else None
+        rows = list(step_rows(args, step))
+        predicted = sp.step_live([rows])
+        out.append({"step": step, "rows": rows, "predicted_live_bytes": predicted, "measured_bytes": measured,
+                    "error": (predicted - measured) / measured if measured else None})
+    return out
+
+
 def _post_mortem(args, env, exc, step, phase, tel, spec, settings, plan) -> dict:
     """The worker's failure record, completed as the scheduler completes a job's (service/memory/oom.py)."""
     from types import SimpleNamespace
@@ -292,13 +391,13 @@ def _post_mortem(args, env, exc, step, phase, tel, spec, settings, plan) -> dict
 # --- the command ------------------------------------------------------------------------------------
 
 
-def build_model_dir(root: Path, cfg: dict, device: str) -> str:
+def build_model_dir(root: Path, cfg: dict, device: str, sub: str = "model") -> str:
     """A random-init Llama saved with save_pretrained (bf16 weights; the workers load them as their regime
     says). Built on the device when it is a GPU: 1.2B parameters initialise in seconds there."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    out = root / "model"
+    out = root / sub
     if (out / "config.json").exists():
         return str(out)
     config = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
@@ -399,22 +498,32 @@ def main(argv: list[str] | None = None) -> int:
           f"device {a.device}{' = ' + a.gpu if on_gpu else ''}, seq {SEQ_TINY if a.tiny else SEQ}, {a.steps} steps per "
           f"config; model saved in {time.perf_counter() - t_start:.0f} s", flush=True)
     rows = []
+    dirs = {}
     for name in names:
         t0 = time.perf_counter()
+        mdir = model_dir
+        if name in SCALE_MODELS and not a.tiny:  # its own shape (built once, on the device)
+            sub, cfg, _ = SCALE_MODELS[name]
+            mdir = dirs.get(sub) or build_model_dir(root, cfg, a.device, sub)
+            dirs[sub] = mdir
         if not on_gpu:  # CPU: in this process (the profiler's peaks are per step; no allocator cache to reset)
             try:
-                row = run_config(name, model_dir, a.device, a.steps, a.tiny, a.gpu, str(root))
+                row = run_config(name, mdir, a.device, a.steps, a.tiny, a.gpu, str(root))
             except Exception as exc:  # noqa: BLE001 - a crash is a row, and the exit status
                 row = {"config": name, "crash": f"{type(exc).__name__}: {exc}",
                        "traceback": traceback.format_exc()[-3000:]}
         else:
-            row = _in_child(name, model_dir, a)
+            row = _in_child(name, mdir, a)
         rows.append(row)
         status = "crashed" if row.get("crash") else ("skipped" if row.get("skipped") else "done")
         print(f"  {name}: {status} in {time.perf_counter() - t0:.0f} s", flush=True)
         if row.get("crash"):
             print(row.get("traceback", row["crash"]), file=sys.stderr)
     print_table(rows)
+    for r in rows:
+        for st in r.get("steps") or []:
+            print(f"  steps: step {st['step']} rows {st['rows']}: predicted {_mib(st['predicted_live_bytes'])} MiB, "
+                  f"measured {_mib(st['measured_bytes'])} MiB, {_pct(st['predicted_live_bytes'], st['measured_bytes'])}%")
     print(f"total {time.perf_counter() - t_start:.0f} s")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1, default=str))

@@ -133,11 +133,12 @@ def formed_width(case: HoldoutCase, rank: int, step: int) -> tuple[int, bool]:
     """The widest micro-batch rank ``rank`` trained at optimizer step ``step`` (1-based) and whether it held
     padding: the workers' own loader, tokenizer and seeded sampler (workers/strategies/common.py: prepare)
     rebuilt here, so these are the very rows of the measured step."""
-    lengths, sampler = _trained_rows(case.name)
+    lengths, sampler, pieces = _trained_rows(case.name)
     widths = []
     for rows in sampler.micro_batches(step - 1, rank):
         row = [lengths[i] for i in rows]
-        widths.append((max(row), min(row) < max(row)))
+        # a packed row of several examples is masked block-diagonally, as a padded one is (workers/data.py collate)
+        widths.append((max(row), min(row) < max(row) or any(pieces[i] > 1 for i in rows)))
     return max(widths)
 
 
@@ -155,7 +156,9 @@ def _trained_rows(name: str):
     tokenizer = load_tokenizer(resolve_model_dir(spec.model, None))
     train = load_dataset(str(data_file(case, folder)), tokenizer, hp.max_seq_length, hp.packing)
     sampler = StepSampler(len(train), r.micro_batch_size, r.gradient_accumulation_steps, r.data_parallel_size, r.seed)
-    return [len(ids) for ids, _ in train.examples], sampler
+    pieces = [sum(1 for t, p in enumerate(pos) if p == 0) for pos in train.positions] if train.positions else \
+        [1] * len(train.examples)  # examples (or their pieces) each packed row holds
+    return [len(ids) for ids, _ in train.examples], sampler, pieces
 
 
 def _data_dir() -> Path:

@@ -94,7 +94,7 @@ def measure(http: httpx.Client, key: str, jobs: dict[str, str], rounds: int) -> 
             out[name]["memory"].append(time.perf_counter() - t)
             r.raise_for_status()
             t = time.perf_counter()
-            r = http.get(f"/ui/jobs/{job_id}", cookies={"memfit_key": key})
+            r = http.get(f"/ui/jobs/{job_id}", headers={"Authorization": f"Bearer {key}"})
             out[name]["page"].append(time.perf_counter() - t)
             r.raise_for_status()
     return out
@@ -170,7 +170,7 @@ def main() -> int:
                         row[kind] = (statistics.median(long_s), statistics.median(ref_s), min(long_s), max(long_s))
                     row["memory_bytes"] = len(http.get(f"/v1/fine_tuning/jobs/{long_id}/memory",
                                                        headers={"Authorization": f"Bearer {key}"}).content)
-                    row["page_bytes"] = len(http.get(f"/ui/jobs/{long_id}", cookies={"memfit_key": key}).content)
+                    row["page_bytes"] = len(http.get(f"/ui/jobs/{long_id}", headers={"Authorization": f"Bearer {key}"}).content)
                     results.append(row)
                     print(f"{point:>7} steps × {args.ranks} ranks: ingest {rate:,.0f} records/s; "
                           f"GET …/memory {row['memory'][0] * 1e3:.1f} ms (reference {row['memory'][1] * 1e3:.1f} ms, "

@@ -27,12 +27,12 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from service.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -148,12 +148,6 @@ def matrix(quick: bool, families: tuple[str, ...] = FAMILIES) -> list[Case]:
 
 
 # --- measuring one case ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train_args(case: Case, out_dir: str):
@@ -306,13 +300,15 @@ def measure(case: Case, model_dir: str, timeout_s: float = 600) -> dict:
     """Run one case in fresh processes; per rank the steady-state step record (max peak over steps ≥ 3)."""
     import tempfile
 
-    import torch.multiprocessing as mp
+    from workers.local import forkserver_context, with_environ
 
-    ctx = mp.get_context("spawn")
+    ctx = forkserver_context()  # ranks forked from a server that has imported torch, transformers and peft once
     q = ctx.Queue()
     port = _free_port()
+    environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="memfit-bench-") as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, case, port, model_dir, tmp, q)) for r in range(case.world)]
+        procs = [ctx.Process(target=with_environ, args=(r, _rank_main, environ, os.getcwd(), case, port, model_dir, tmp, q))
+                 for r in range(case.world)]
         for p in procs:
             p.start()
         results = {}

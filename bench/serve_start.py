@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,15 +22,10 @@ import time
 from pathlib import Path
 
 import httpx
+from service.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MEMFIT = Path(sys.executable).with_name("memfit")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_env(home: Path) -> dict[str, str]:

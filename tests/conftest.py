@@ -13,6 +13,7 @@ and stops exactly that one at the end.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,12 @@ from tests import factories, pgserver
 from tests.factories import CHAT_JSONL, TenantCtx
 
 ARTIFACTS = Path(os.environ.get("MEMFIT_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
+
+# pytest-xdist's workers (execnet) start with COLUMNS=80 and LINES=24, which a serial run does not have;
+# the CLI's rich consoles, made at import, would keep that width for good and cut its tables.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("COLUMNS", "LINES"):
+        os.environ.pop(_name, None)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -129,6 +136,53 @@ def ray_session(ray_head):
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server for the session (moto's, tests/s3server.py) with one bucket; the
+    test process gets its keys in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (pyarrow reads them)."""
+    from tests.s3server import CREDENTIALS, S3Server
+
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log").start()
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+# --- one finished job for the session ----------------------------------------------------------
+#
+# Many tests assert read-only facts about a job that ran to the end (its events, metrics, checkpoints,
+# artefacts, memory view, pages, result file). They share ONE: `finished_job`, a DDP + LoRA fine-tune
+# (2 workers, 6 steps, a checkpoint every 3, a validation file, a merged export) on `shared_stack`, the
+# session's API + scheduler on a Postgres database of its own. A test that changes the job or its
+# files does it in a stack of its own.
+
+FINISHED_JOB_TRAINING = {"strategy": "ddp", "peft": {"method": "lora", "r": 8, "merge": True}}
+
+
+@pytest.fixture(scope="session")
+def shared_stack(new_database, ray_head, tmp_path_factory):
+    from tests.stack import Stack
+
+    with new_database() as url:
+        stack = Stack(url, tmp_path_factory.mktemp("shared-storage"), ray_head)
+        stack.start_scheduler()
+        yield stack
+        stack.close()
+
+
+@pytest.fixture(scope="session")
+def finished_job(shared_stack) -> dict:
+    """The session's one succeeded job (see above): GET /v1/fine_tuning/jobs/{id}'s JSON at its end."""
+    job_id = shared_stack.create(**FINISHED_JOB_TRAINING)
+    return shared_stack.wait(job_id, ("succeeded",), timeout=600)
+
+
 # --- store and API fixtures (service/, api/) ----------------------------------------------------
 #
 # `pg_migrated`: the session's Postgres database at the migrations' head.
@@ -216,3 +270,72 @@ def create_job(client, upload_file):
         return factories.post_job(client, tenant.key, headers, **body)
 
     return create
+
+
+# --- running the suite on two processes (pytest-xdist, `make test`) ------------------------------
+#
+# `make test` runs the suite on two pytest-xdist workers with --dist loadgroup. Every test that uses
+# the session's shared Ray head (the `ray_head` fixture, directly or through a module's stack) is put
+# in one group, so one worker runs them all against one head, as a single process would; the other
+# worker takes the rest (the API and store, the planner, the gloo tests without Ray, the tests that
+# start Ray nodes of their own) at the same time.
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ray_head" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+            item.add_marker(pytest.mark.ray)  # and out of `make test-fast`
+
+
+# --- no silent skips in CI -----------------------------------------------------------------------
+#
+# With MEMFIT_NO_SKIPS=1 (.ci/run) a skip whose reason matches no entry of tests/skip_allowlist.txt
+# fails: a missing extra (importorskip), tool (wrk, chromium) or privilege (the disk-full tests mount a
+# tmpfs, which needs root: CI runs as root) is then a red run, not a family of tests gone quiet.
+
+SKIP_ALLOWLIST = Path(__file__).resolve().parent / "skip_allowlist.txt"
+
+
+def allowed_skips() -> list[tuple[re.Pattern, str]]:
+    """The allow-list's (pattern, why) entries."""
+    out = []
+    for n, line in enumerate(SKIP_ALLOWLIST.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        pattern, sep, why = line.partition(" :: ")
+        if not sep or not why.strip():
+            raise ValueError(f"{SKIP_ALLOWLIST}:{n}: expected '<regex> :: <why it may skip>'")
+        out.append((re.compile(pattern.strip()), why.strip()))
+    return out
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+def _refuse_unlisted_skip(report) -> None:
+    if os.environ.get("MEMFIT_NO_SKIPS") != "1" or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if any(pattern.search(reason) for pattern, _ in allowed_skips()):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"skipped, and the reason is not in tests/skip_allowlist.txt (MEMFIT_NO_SKIPS=1 fails "
+                       f"every other skip): {reason}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _refuse_unlisted_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _refuse_unlisted_skip(outcome.get_result())

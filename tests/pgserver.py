@@ -14,7 +14,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import psutil
 import psycopg
 from sqlalchemy.engine import make_url
+from service.ports import free_port as _free_port
 
 DEFAULT_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 ROOT_PREFIX = "memfit-pg-"  # + owner pid + "-" + random: lets a later start remove what a killed session left
@@ -279,12 +279,6 @@ def _base_for(user) -> Path:
         if base.is_dir() and _searchable_by_others(base):
             return base
     raise Unavailable(f"user nobody can reach none of {', '.join(map(str, _bases()))}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _remove_stale_roots() -> None:

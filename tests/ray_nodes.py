@@ -39,21 +39,39 @@ class RayNode:
     log_path: Path | None = None
     process: subprocess.Popen | None = None
     ownership: Ownership = field(default_factory=lambda: Ownership(label="ray worker node"))
+    # A host of its own (tests/netns.py): the node runs in that network namespace, at its address, with
+    # a temp dir of its own, and outlives its head (a head restart must not take the node with it).
+    host: object | None = None
+    extra_env: dict = field(default_factory=dict)
+    temp_dir: str | None = None
+    outlive_head: bool = False  # on this host, but as a machine of its own: a head restart leaves it running
+    name: str = field(default_factory=lambda: f"mfnode-{os.urandom(4).hex()}")  # its node_name in Ray's node list
 
     def start(self, timeout_s: float = 120.0) -> "RayNode":
         ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
         before = len(alive_nodes(self.head))
+        alone = self.host is not None or self.outlive_head
+        if alone:
+            import tempfile
+
+            self.temp_dir = tempfile.mkdtemp(prefix="mfrn-", dir="/tmp")
+        ip = self.host.address if self.host is not None else "127.0.0.1"
         cmd = [ray_bin, "start", "--block", "--disable-usage-stats", f"--address={self.head.address}",
-               "--node-ip-address=127.0.0.1", f"--num-cpus={self.num_cpus}", "--num-gpus=0",
-               f"--temp-dir={self.head.temp_dir}",
-               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+               f"--node-ip-address={ip}", f"--num-cpus={self.num_cpus}", "--num-gpus=0",
+               f"--temp-dir={self.temp_dir or self.head.temp_dir}",
+               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}", f"--node-name={self.name}",
                f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
                f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}"]
         env = ray_env(self.head.auth_mode)
         env.pop("RAY_ADDRESS", None)
         # The head's token and the node's: the head's stop() ends the node too, kill() only the node.
-        env[OWNER_ENV] = chained(self.head.ownership.env_chain(), self.ownership.token)
+        # A node on a host of its own carries its token only: it outlives a head that is restarted.
+        env[OWNER_ENV] = (self.ownership.token if alone
+                          else chained(self.head.ownership.env_chain(), self.ownership.token))
         env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+        env.update(self.extra_env)
+        if self.host is not None:
+            cmd = self.host.command(cmd)
         log = open(self.log_path or os.devnull, "ab")
         try:
             self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -82,6 +100,9 @@ class RayNode:
             except ProcessLookupError:
                 pass
             self.process.wait(10)
-        return self.ownership.end(timeout_s=20)
+        left = self.ownership.end(timeout_s=20)
+        if self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return left
 
     stop = kill  # a node is disposable: nothing of it needs a graceful end

@@ -38,8 +38,8 @@ def test_create_returns_openai_job(create_job, tenant):
     assert job["result_files"] == [] and job["fine_tuned_model"] is None and job["error"] is None
     # n_epochs 'auto' for the 2-example file: OpenAI's rule, raised to see 100 examples, capped at 25.
     assert job["hyperparameters"] == {"n_epochs": 25, "batch_size": 8, "learning_rate_multiplier": 1.0}
-    assert job["method"] == {"type": "supervised", "supervised": {"hyperparameters": job["hyperparameters"]},
-                             "dpo": None, "reinforcement": None}
+    # OpenAI's schema types method.dpo and method.reinforcement as objects: a supervised job leaves them out
+    assert job["method"] == {"type": "supervised", "supervised": {"hyperparameters": job["hyperparameters"]}}
     assert job["training"]["peft"]["method"] == "lora" and job["training"]["peft"]["r"] == 4
     assert job["training"]["strategy"] == "ddp"  # defaults are filled in
     assert job["attempt"] == 0
@@ -266,11 +266,11 @@ def test_checkpoints_listed_by_step(client, create_job, tenant, api_app):
     assert [c["step_number"] for c in page["data"]] == [30, 20] and page["has_more"]
     c = page["data"][0]
     assert c["object"] == "fine_tuning.job.checkpoint" and c["fine_tuning_job_id"] == job_id
-    # Every metric OpenAI's checkpoint declares is answered; what memfit does not measure is null.
-    assert c["metrics"] == {"step": 30, "train_loss": 1.0 / 30, "train_mean_token_accuracy": None, "valid_loss": None,
-                            "valid_mean_token_accuracy": None, "full_valid_loss": None,
-                            "full_valid_mean_token_accuracy": None}
-    assert c["fine_tuned_model_checkpoint"] == "/ckpt/30"
+    # The metrics OpenAI's checkpoint declares are numbers: what a checkpoint has no value for is left out, not null.
+    assert c["metrics"] == {"step": 30, "train_loss": 1.0 / 30}
+    # Its model is named as OpenAI names one (service/domain/model_names.py); memfit's `path` says where it is.
+    assert c["fine_tuned_model_checkpoint"] == f"ft:preset:tiny-llama::{job_id}:ckpt-step-30"
+    assert c["path"] == "/ckpt/30"
     rest = client.get(url, params={"after": page["data"][-1]["id"]}, headers=tenant.headers).json()
     assert [c["step_number"] for c in rest["data"]] == [10] and not rest["has_more"]
 

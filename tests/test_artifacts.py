@@ -153,23 +153,11 @@ def test_the_allowlist(path, allowed):
 # --- a real job -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def stack(new_database, ray_head, tmp_path_factory):
-    from tests.test_e2e import Stack
-
-    with new_database() as url:
-        s = Stack(url, tmp_path_factory.mktemp("artifacts-storage"), ray_head)
-        s.start_scheduler()
-        yield s
-        s.close()
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_real_jobs_artifacts_are_its_model_and_the_token_is_nowhere_a_tenant_reads(stack):
-    job_id = stack.create(strategy="ddp", peft={"method": "lora", "r": 8, "merge": True})
-    stack.wait(job_id, ("succeeded",))
+def test_a_real_jobs_artifacts_are_its_model_and_the_token_is_nowhere_a_tenant_reads(shared_stack, finished_job):
+    stack, job_id = shared_stack, finished_job["id"]
     out = job_dir(stack.settings, job_id)
 
     # The run request, token and all, lies outside the job's folder, readable by its owner only.
@@ -194,13 +182,17 @@ def test_a_real_jobs_artifacts_are_its_model_and_the_token_is_nowhere_a_tenant_r
         r = stack.http.get(f["url"], headers=stack.auth)
         assert r.status_code == 200 and token.encode() not in r.content, f["path"]
 
-    (attempt_dir(stack.settings, job_id, 1) / "adapter" / "request.json").symlink_to(request)  # even a symlink to it planted by hand
-    for rel in ["request-attempt-1.json", "metrics-attempt-1.jsonl", "results.json", "adapter/request.json",
-                checkpoint_metrics[0].replace("meta.json", "state.pt"),
-                f"ray/{job_id}/checkpoint_manager_snapshot.json"]:
-        r = stack.http.get(f"{ARTIFACTS.format(job_id)}/{rel}", headers=stack.auth)
-        assert r.status_code == 404 and token.encode() not in r.content, rel
-    assert raw_get(stack.server.url, f"{ARTIFACTS.format(job_id)}/adapter/../../../requests/{job_id}/{request.name}",
-                   stack.key) == 404
-    assert "adapter/request.json" not in {f["path"] for f in stack.http.get(
-        ARTIFACTS.format(job_id), headers=stack.auth).json()["data"]}
+    planted = attempt_dir(stack.settings, job_id, 1) / "adapter" / "request.json"
+    planted.symlink_to(request)  # even a symlink to it planted by hand (removed after: the job is the session's)
+    try:
+        for rel in ["request-attempt-1.json", "metrics-attempt-1.jsonl", "results.json", "adapter/request.json",
+                    checkpoint_metrics[0].replace("meta.json", "state.pt"),
+                    f"ray/{job_id}/checkpoint_manager_snapshot.json"]:
+            r = stack.http.get(f"{ARTIFACTS.format(job_id)}/{rel}", headers=stack.auth)
+            assert r.status_code == 404 and token.encode() not in r.content, rel
+        assert raw_get(stack.server.url, f"{ARTIFACTS.format(job_id)}/adapter/../../../requests/{job_id}/{request.name}",
+                       stack.key) == 404
+        assert "adapter/request.json" not in {f["path"] for f in stack.http.get(
+            ARTIFACTS.format(job_id), headers=stack.auth).json()["data"]}
+    finally:
+        planted.unlink()

@@ -78,7 +78,7 @@ def _seed(app, client, sched, settings, label: str) -> Tenant:
         {"kind": "metrics", "attempt": 1, "time": now, "rank": 0, "step": 1, "total_steps": 9, "loss": 2.0},
         {"kind": "memory", "attempt": 1, "time": now, "rank": 0, "step": 1, "parameters_bytes": 1000,
          "peak_bytes": 5000},
-        {"kind": "checkpoint", "attempt": 1, "time": now, "step": 1, "path": f"/out/{label}/checkpoint_000001",
+        {"kind": "checkpoint", "attempt": 1, "time": now, "step": 1, "path": f"ray/{label}/checkpoint_000001",
          "metrics": {"loss": 2.0}},
         {"kind": "event", "attempt": 1, "time": now, "message": f"{label}-secret-event-message"},
     ]})
@@ -113,7 +113,8 @@ def world(new_database, tmp_path_factory):
         b = _seed(app, client, sched, settings, "bravo")
         with TestClient(app) as cookie_b:
             r = cookie_b.post("/ui/login", data={"api_key": b.key, "next": "/ui/jobs"}, follow_redirects=False)
-            assert r.status_code == 303 and cookie_b.cookies.get(COOKIE) == b.key, r.text
+            # the cookie holds a session token, never the key (tests/test_behind_proxy.py)
+            assert r.status_code == 303 and cookie_b.cookies.get(COOKIE).startswith("mfs_"), r.text
             yield World(app, client, a, b, cookie_b)
 
 
@@ -183,6 +184,38 @@ ROUTES: dict[tuple[str, str, str], dict] = {
     ("GET", "/ui/jobs/{job_id}/memory.json", "job_memory_json"): {"kind": "job", "web": True},
     ("GET", "/ui/jobs/{job_id}/view.json", "job_view_json"): {"kind": "job", "web": True},
     ("POST", "/v1/internal/jobs/{job_id}/ingest", "ingest_records"): {"kind": "ingest"},
+    # served models (api/routes/serving.py): a model id names a job of the tenant's (tests/test_serving.py
+    # calls another tenant's succeeded model over the openai client); here A's job's model name is B's unknown
+    ("GET", "/v1/models", "list_models"): {"kind": "list"},
+    ("GET", "/v1/models/{model_id:path}", "get_model"): {"kind": "model"},
+    ("DELETE", "/v1/models/{model_id:path}", "delete_model"): {"kind": "model"},
+    ("POST", "/v1/chat/completions", "chat_completions"): {"kind": "list"},
+    ("POST", "/v1/completions", "completions"): {"kind": "list"},
+    ("GET", "/ui/models", "models_page"): {"kind": "list"},
+    ("GET", "/ui/models/{model_id:path}", "model_page"): {"kind": "model", "web": True},
+    ("GET", "/ui/models/{model_id:path}/view.json", "model_view_json"): {"kind": "model", "web": True},
+    # Tinker's API (api/routes/tinker.py): sessions, training clients, sampling sessions and futures are ids in
+    # the path or the body; test_b_gets_a_404_for_a_s_tinker_objects tries each of A's with B's key
+    ("GET", "/api/v1/healthz", "tinker_healthz"): {"kind": "public"},
+    ("GET", "/api/v1/get_server_capabilities", "get_server_capabilities"): {"kind": "list"},
+    ("POST", "/api/v1/client/config", "client_config"): {"kind": "list"},
+    ("POST", "/api/v1/client/dynamic_config", "client_dynamic_config"): {"kind": "list"},
+    ("POST", "/api/v1/telemetry", "telemetry"): {"kind": "list"},
+    ("POST", "/api/v1/create_session", "create_session"): {"kind": "list"},
+    ("POST", "/api/v1/session_heartbeat", "session_heartbeat"): {"kind": "tinker"},
+    ("POST", "/api/v1/sessions/{session_id}/finish", "finish_session"): {"kind": "tinker"},
+    ("POST", "/api/v1/create_model", "create_model"): {"kind": "tinker"},
+    ("POST", "/api/v1/get_info", "get_info"): {"kind": "tinker"},
+    ("POST", "/api/v1/forward_backward", "forward_backward"): {"kind": "tinker"},
+    ("POST", "/api/v1/optim_step", "optim_step"): {"kind": "tinker"},
+    ("POST", "/api/v1/save_weights", "save_weights"): {"kind": "tinker"},
+    ("POST", "/api/v1/save_weights_for_sampler", "save_weights_for_sampler"): {"kind": "tinker"},
+    ("POST", "/api/v1/load_weights", "load_weights"): {"kind": "tinker"},
+    ("GET", "/api/v1/training_clients/{model_id}/memory", "training_client_memory"): {"kind": "tinker"},
+    ("POST", "/api/v1/create_sampling_session", "create_sampling_session"): {"kind": "tinker"},
+    ("GET", "/api/v1/samplers/{sampler_id}", "get_sampler"): {"kind": "tinker"},
+    ("POST", "/api/v1/asample", "asample"): {"kind": "tinker"},
+    ("POST", "/api/v1/retrieve_future", "retrieve_future"): {"kind": "tinker"},
 }
 
 
@@ -230,6 +263,73 @@ def test_b_gets_a_404_for_a_s_object(world, route):
     if method == "GET" and "stream" not in _url(template, b, own, row):
         r = world.client.get(_url(template, b, own, row), headers=b.headers)
         assert r.status_code == 200, f"{template} for B's own object: {r.status_code} {r.text[:200]}"
+
+
+@pytest.mark.parametrize("route", [k for k, v in ROUTES.items() if v["kind"] == "model"],
+                         ids=lambda k: f"{k[0]} {k[1]} {k[2]}")
+def test_b_gets_a_404_for_a_s_model(world, route):
+    method, template, _ = route
+    row = ROUTES[route]
+    a, b = world.a, world.b
+
+    def url(job_id):
+        return template.replace("{model_id:path}", f"ft:preset:tiny-llama::{job_id}")
+
+    assert_same_as_unknown(lambda job_id: world.client.request(method, url(job_id), headers=b.headers), a.job_id,
+                           f"{method} {template} with B's key")
+    if row.get("web"):
+        assert_same_as_unknown(lambda job_id: world.cookie_b.request(method, url(job_id)), a.job_id,
+                               f"{method} {template} with B's login cookie")
+    body = {"model": f"ft:preset:tiny-llama::{a.job_id}", "messages": [{"role": "user", "content": "hi"}]}
+    assert_same_as_unknown(lambda job_id: world.client.post("/v1/chat/completions", headers=b.headers,
+                                                            json={**body, "model": f"ft:preset:tiny-llama::{job_id}"}),
+                           a.job_id, "a chat completion on A's model")
+
+
+def test_b_gets_a_404_for_a_s_tinker_objects(world):
+    """A's Tinker session, training client (registered at once; its replica never starts here, with no Ray),
+    sampling session and future, each tried by B on every route that takes it."""
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    a, b, client = world.a, world.b, world.client
+    ha, hb = {"X-API-Key": "tml-" + a.key}, {"X-API-Key": "tml-" + b.key}
+    sid = client.post("/api/v1/create_session", headers=ha, json={"tags": []}).json()["session_id"]
+    model = client.post("/api/v1/create_model", headers=ha, json={"session_id": sid, "base_model": "preset:tiny-llama"}).json()
+    mid, fid = model["model_id"], model["request_id"]
+    ssid = client.post("/api/v1/create_sampling_session", headers=ha,
+                       json={"session_id": sid, "base_model": "preset:tiny-llama"}).json()["sampling_session_id"]
+    adam = {"learning_rate": 1e-3}
+
+    def fwd_bwd(model_id):
+        req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=[types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]})], loss_fn="cross_entropy"),
+            model_id=model_id, seq_id=1)
+        return client.post("/api/v1/forward_backward", headers={**hb, "content-type": "application/x-protobuf"},
+                           content=forward_backward_request_to_proto(req).SerializeToString())
+
+    tries = {
+        mid: [lambda x: client.post("/api/v1/get_info", headers=hb, json={"model_id": x}),
+              lambda x: client.post("/api/v1/optim_step", headers=hb, json={"model_id": x, "adam_params": adam}),
+              lambda x: client.post("/api/v1/save_weights", headers=hb, json={"model_id": x, "path": "b"}),
+              lambda x: client.post("/api/v1/save_weights_for_sampler", headers=hb, json={"model_id": x, "path": "b"}),
+              lambda x: client.get(f"/api/v1/training_clients/{x}/memory", headers=hb), fwd_bwd],
+        sid: [lambda x: client.post("/api/v1/session_heartbeat", headers=hb, json={"session_id": x}),
+              lambda x: client.post(f"/api/v1/sessions/{x}/finish", headers=hb, json={}),
+              lambda x: client.post("/api/v1/create_model", headers=hb, json={"session_id": x, "base_model": "preset:tiny-llama"}),
+              lambda x: client.post("/api/v1/create_sampling_session", headers=hb, json={"session_id": x, "base_model": "preset:tiny-llama"})],
+        ssid: [lambda x: client.get(f"/api/v1/samplers/{x}", headers=hb),
+               lambda x: client.post("/api/v1/asample", headers=hb, json={"sampling_session_id": x, "prompt": {"chunks": [
+                   {"type": "encoded_text", "tokens": [1, 2]}]}, "sampling_params": {"max_tokens": 2}})],
+        fid: [lambda x: client.post("/api/v1/retrieve_future", headers=hb, json={"request_id": x})],
+    }
+    for real, sends in tries.items():
+        for i, send in enumerate(sends):
+            assert_same_as_unknown(send, real, f"Tinker route #{i} with A's {real.split('-')[0]} id and B's key")
+    # A's objects still answer A
+    assert client.post("/api/v1/get_info", headers=ha, json={"model_id": mid}).status_code == 200
+    assert client.post("/api/v1/session_heartbeat", headers=ha, json={"session_id": sid}).status_code == 200
+    assert client.get(f"/api/v1/samplers/{ssid}", headers=ha).status_code == 200
 
 
 def test_ingest_with_another_job_s_token_or_a_tenant_key(world):
@@ -297,6 +397,8 @@ def test_listings_show_nothing_of_a(world):
         "view.json of B's job (cookie)": cookie_b.get(f"/ui/jobs/{b.job_id}/view.json"),
         "memory.json of B's job (cookie)": cookie_b.get(f"/ui/jobs/{b.job_id}/memory.json"),
         "/ui/planner (cookie)": cookie_b.get("/ui/planner"),
+        "GET /v1/models": client.get("/v1/models", headers=b.headers),
+        "/ui/models (cookie)": cookie_b.get("/ui/models"),
         "/ui/planner POST (cookie)": cookie_b.post("/ui/planner", data={"model": "preset:tiny-llama"}),
     }
     for where, r in answers.items():
@@ -336,7 +438,7 @@ def test_the_dashboard_needs_a_valid_login(world):
         assert r.status_code == 303 and r.headers["location"].startswith("/ui/login")  # no 404-vs-200 tell
         assert anonymous.get(f"/ui/jobs/{a.job_id}/view.json").status_code == 401
         assert anonymous.get(f"{JOB}/{a.job_id}/events?stream=true").status_code == 401
-        anonymous.cookies.set(COOKIE, "mf_forged-key")
+        anonymous.cookies.set(COOKIE, "mfs_forged-session")
         assert anonymous.get(f"/ui/jobs/{a.job_id}/memory.json").status_code == 401
         r = anonymous.post("/ui/login", data={"api_key": "mf_wrong", "next": "https://evil.example/"},
                            follow_redirects=False)

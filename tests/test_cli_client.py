@@ -129,6 +129,12 @@ def test_follow_is_driven_by_the_stream_and_memory_prints_the_table(env, tenant)
         for step in (2, 3):
             ingest(server, job_id, token, step_records(step))
             time.sleep(0.3)
+        now = time.time()
+        ingest(server, job_id, token, [
+            {"kind": "memory", "attempt": 1, "time": now, "rank": r, "step": 0, "phase": "load", "source": "phase",
+             "process_rss_bytes": (600 + r) * 2**20, "device": {"bytes_read": 1}} for r in (0, 1)] + [
+            {"kind": "memory", "attempt": 1, "time": now, "rank": 0, "step": 3, "phase": "export", "source": "phase",
+             "process_rss_bytes": 690 * 2**20}])
         ingest(server, job_id, token, [{"kind": "result", "attempt": 1, "time": time.time(),
                                         "fine_tuned_model": "ft:tiny:cli", "artifacts": {}}])
 
@@ -156,6 +162,20 @@ def test_follow_is_driven_by_the_stream_and_memory_prints_the_table(env, tenant)
     table = run(e, "jobs", "memory", job_id)
     assert "rank 0" in table and "rank 1" in table
     assert "optimizer states" in table and "20.0 MiB" in table and "47.0 MiB" in table
+
+    # The job's phases outside the step, as the workers' PhaseMeter reported them (feed, above): planned beside
+    # measured, and which phase peaks on each rank, by how much above the next.
+    report = json.loads(run(e, "jobs", "memory", job_id, "--json"))
+    ph = report["phases"]
+    assert ph["phases"] == ["load", "step", "eval", "checkpoint", "export"]
+    assert set(ph["planned"]) == set(ph["phases"]) and all(v["host_bytes"] > 0 for v in ph["planned"].values())
+    assert ph["measured"]["0"]["load"]["host_bytes"] == 600 * 2**20 and "export" not in ph["measured"]["1"]
+    assert ph["measured_peak"]["0"]["host"]["phase"] == "export"
+    assert ph["measured_peak"]["0"]["host"]["above_next"] == pytest.approx(90 / 600)
+    table = run(e, "jobs", "memory", job_id)
+    assert "by phase of the job" in table and "690.0 MiB" in table and "601.0 MiB" in table
+    assert "rank 0 measured host peak: export (15.0% above the next phase)" in table
+    assert f"planned host peak: {ph['planned_peak']['host']['phase']}" in table
 
 
 def test_follow_and_memory_are_tenant_scoped(env, tenant):

@@ -99,8 +99,12 @@ def test_the_data_plan_is_the_bound_when_rows_fill_max_seq_length(settings):
     packed = plan_for_spec(spec(max_seq_length=256, packing=True), settings, training_path=chat)
     tokens = round(d.mean_row_tokens * d.rows)  # every chat row whole at 1024
     assert packed.data.planned_seq_length == 256 and packed.data.rows == -(-tokens // 256)
-    assert packed.data.padded  # the last packed row is shorter
-    assert packed.per_rank.device.activations > packed.at_max_seq_length.per_rank.device.activations
+    # rows packed with several examples are attended block-diagonally (a mask, as padding has): planned so, and
+    # so is the bound, whose rows are full max_seq_length ones of several examples too
+    assert packed.data.padded
+    assert packed.per_rank.device.activations == packed.at_max_seq_length.per_rank.device.activations
+    unpacked = plan_for_spec(spec(max_seq_length=256), settings)
+    assert packed.per_rank.device.activations > unpacked.per_rank.device.activations
 
 
 def test_without_data_or_tokenizer_the_plan_says_why_and_uses_the_bound(settings):

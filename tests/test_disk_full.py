@@ -118,7 +118,7 @@ def test_upload_onto_a_full_volume_is_507_and_leaves_nothing(small_storage):
 def test_job_whose_checkpoint_does_not_fit_fails_storage_full(new_database, ray_head, tmp_path):
     """tiny-llama's full fine-tune checkpoint (model + Adam state, ~1.9 MB) does not fit a 1 MB
     storage volume that holds the uploads, the run request and the record spool."""
-    from tests.test_e2e import Stack
+    from tests.stack import Stack
 
     with tmpfs(tmp_path / "storage", "1m") as storage, new_database() as url:
         stack = Stack(url, storage, ray_head)

@@ -50,7 +50,7 @@ def test_the_ladder_keeps_the_global_batch_and_goes_micro_batch_then_checkpointi
         "gradient_checkpointing+offload_optimizer+offload_param+micro_batch_2",
         "gradient_checkpointing+offload_optimizer+offload_param+micro_batch_1"]
     for _, _, patch in rungs:
-        r = downshift._patched(spec, patch).resolved()
+        r = downshift.patched_spec(spec, patch).resolved()
         assert r.global_batch_size == spec.resolved().global_batch_size == 16
         assert r.learning_rate == spec.resolved().learning_rate
     # ddp over several workers may shard (FSDP2 resumes ddp's checkpoint); a lone ddp worker cannot;
@@ -258,7 +258,7 @@ def _training_rows() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def stack(new_database, ray_head, tmp_path_factory):
-    from tests.test_e2e import Stack
+    from tests.stack import Stack
 
     with new_database() as url:
         s = Stack(url, tmp_path_factory.mktemp("downshift-storage"), ray_head)
@@ -306,8 +306,7 @@ def test_a_job_over_its_host_budget_downshifts_once_and_trains_as_the_downshifte
     # What it ran with: the stored spec (GET …/jobs/{id}) and the result file both say so.
     assert job["training"]["hyperparameters"]["micro_batch_size"] == 1
     assert job["training"]["hyperparameters"]["gradient_accumulation_steps"] == 4
-    [file_id] = job["result_files"]
-    result = stack.http.get(f"/v1/files/{file_id}/content", headers=stack.auth).json()
+    result = stack.results(job)
     assert result["training"]["hyperparameters"]["micro_batch_size"] == 1
     assert [x["change"] for x in result["downshifts"]] == ["micro_batch_1"]
 

@@ -69,7 +69,7 @@ def run_records(attempt: int, steps: int = 4, ranks: int = 2) -> list[dict]:
                         "phase": "step", "source": "counters", "parameters_bytes": 1000, "peak_bytes": 5000 + step})
         if step % 2 == 0:
             out.append({"kind": "checkpoint", "attempt": attempt, "time": now + step, "step": step,
-                        "path": f"/ckpt/{step}", "metrics": {"loss": 4.0 / step}})
+                        "path": f"ray/ckpt/{step}", "metrics": {"loss": 4.0 / step}})
     out.append({"kind": "event", "attempt": attempt, "time": now + steps, "level": "warn",
                 "message": f"a warning of attempt {attempt}"})
     out.append({"kind": "result", "attempt": attempt, "time": now + steps + 1, "fine_tuned_model": "ft:tiny:replayed",
@@ -318,7 +318,7 @@ def test_memfit_serve_stopped_past_the_end_of_a_run_finishes_the_job_on_restart(
 @pytest.mark.timeout(1200)
 def test_a_run_that_ends_while_the_api_is_down_is_finished_by_the_scheduler(new_database, ray_head, tmp_path,
                                                                          monkeypatch):
-    from tests.test_e2e import Stack
+    from tests.stack import Stack
 
     monkeypatch.setenv("MEMFIT_WORKER_INGEST_WAIT_S", "2")  # forwarded into the Ray job
     with new_database() as url:

@@ -143,7 +143,7 @@ def test_a_job_that_gets_one_of_two_workers_trains_with_double_accumulation_and_
         new_database, ray_head, tmp_path_factory):
     """The session's head has 8 CPUs: at 4.5 CPUs a worker, Ray Train V2's elastic group
     (num_workers=(1, 2)) has room for one worker only and starts it; the job asked for 2 × micro-batch 2."""
-    from tests.test_e2e import Stack
+    from tests.stack import Stack
 
     with new_database() as url:
         stack = Stack(url, tmp_path_factory.mktemp("elastic-storage"), ray_head)

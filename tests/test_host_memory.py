@@ -83,21 +83,28 @@ def test_one_ranks_instants_and_the_fullest_node():
     p = _plan(spec)
     hm = p.host_memory
     P, R = p.parameter_count, planner.CPU_RUNTIME_BYTES
-    assert hm.per_rank_bytes["load"] == R + 4 * P  # every rank builds the fp32 model on the host
+    # each rank reads only its bf16 partitions, here offloaded to the host, through one staging buffer: not the
+    # whole model in fp32 (4 P) that every rank once built before DeepSpeed partitioned it
+    largest = max(_shape().parameter_numels())
+    assert hm.per_rank_bytes["load"] == R + 2 * P // 8 + min(host.LOAD_CHUNK_BYTES, 2 * largest)
+    assert hm.per_rank_bytes["load"] < R + P // 2
     assert hm.per_rank_bytes["step"] == R + p.per_rank.host.total
-    assert hm.rank0_export_extra_bytes == 8 * P  # the state .float().cpu() and a rebuilt fp32 model
+    # the export streams one parameter at a time, gathered in bf16 and cast to the checkpoint's dtype (planned at
+    # fp32): not the whole state .float().cpu() and a rebuilt fp32 model (8 P) it once held
+    assert hm.rank0_export_extra_bytes == (2 + 4) * largest
     assert not hm.checked and hm.fits is None and "not checked" in hm.notes[-1]
     assert p.fits  # the GPU fits; the host is not known
-    # Two nodes of 8 GPUs: the fullest holds 8 ranks; its need peaks when all of them load the model.
-    small = nodes.ClusterNodes([nodes.NodeInfo("n1", 192 * GiB, 96, 8)], "settings")
+    # A node of 8 GPUs and 128 GiB: it holds 8 ranks; its need peaks when all of them checkpoint (each stages
+    # its largest flat fp32 partition beside the offloaded states), not when they load the model.
+    small = nodes.ClusterNodes([nodes.NodeInfo("n1", 128 * GiB, 96, 8)], "settings")
     p = _plan(spec, nodes=small)
     hm = p.host_memory
-    assert hm.checked and hm.ranks_on_node == 8 and hm.node_peak_instant == "load"
-    assert hm.node_need_bytes == 8 * hm.per_rank_bytes["load"]
+    assert hm.checked and hm.ranks_on_node == 8 and hm.node_peak_instant == "checkpoint"
+    assert hm.node_need_bytes == 8 * hm.per_rank_bytes["checkpoint"] > 8 * hm.per_rank_bytes["load"]
     assert hm.node_instants_bytes["export"] == 7 * hm.per_rank_bytes["step"] + hm.per_rank_bytes["export"]
-    assert hm.node_usable_bytes == int(192 * GiB * 0.9) and hm.node_margin_bytes < 0
+    assert hm.node_usable_bytes == int(128 * GiB * 0.9) and hm.node_margin_bytes < 0
     assert hm.fits is False and p.fits is False
-    big = _plan(spec, nodes=nodes.ClusterNodes([nodes.NodeInfo("n1", 1024 * GiB, 96, 8)], "settings"))
+    big = _plan(spec, nodes=nodes.ClusterNodes([nodes.NodeInfo("n1", 192 * GiB, 96, 8)], "settings"))
     assert big.host_memory.fits is True and big.fits is True
     # placement: GPUs bound the ranks per node, and so do CPUs
     assert host.ranks_per_node(spec, nodes.NodeInfo("n", 1, 96, 4)) == 4
@@ -156,7 +163,7 @@ def small_node_api(new_database, tmp_path_factory):
     from service.settings import ClusterNode
     from tests.scheduler_support import app_without_ray
 
-    node = ClusterNode(memory_bytes=192 * GiB, cpus=96, gpus=8)
+    node = ClusterNode(memory_bytes=128 * GiB, cpus=96, gpus=8)
     with app_without_ray(new_database, tmp_path_factory.mktemp("host-admission"), cluster_nodes=[node]) as stack:
         yield stack
 
@@ -176,7 +183,7 @@ def test_a_zero3_offload_job_short_of_host_memory_is_a_422_naming_the_host_short
     assert hm["checked"] and hm["fits"] is False and hm["source"] == "settings" and hm["ranks_on_node"] == 8
     short = -hm["node_margin_bytes"]
     assert body["detail"].startswith(f"predicted host memory {hm['node_need_bytes'] / GiB:.2f} GiB on the fullest "
-                                     "node (8 rank(s), at load) does not fit its 192.00 GiB")
+                                     "node (8 rank(s), at checkpoint) does not fit its 128.00 GiB")
     assert f"short by {short / GiB:.2f} GiB" in body["detail"]
     assert body["plan"]["margin_bytes"] >= 0  # the GPUs fit: it is the host
     assert body["error"]["code"] == "insufficient_memory" and body["breakdown"] == body["plan"]["per_rank"]

@@ -64,7 +64,7 @@ def test_retried_batch_is_stored_once(env):
     batch = [metrics(1), metrics(1, rank=1), metrics(2), metrics(2, rank=1),
              {"kind": "memory", "attempt": 1, "time": now, "rank": 0, "step": 2, "parameters_bytes": 1000,
               "peak_bytes": 5000},
-             {"kind": "checkpoint", "attempt": 1, "time": now, "step": 2, "path": "/x/checkpoint_000002",
+             {"kind": "checkpoint", "attempt": 1, "time": now, "step": 2, "path": "ray/x/checkpoint_000002",
               "metrics": {"train_loss": 1.5}},
              {"kind": "event", "attempt": 1, "time": now, "message": "worker group restarted", "dedupe": "restart-1"}]
     first = post(client, job_id, token, batch)
@@ -117,15 +117,22 @@ def test_result_succeeds_and_late_posts_change_nothing(env):
     r = post(client, job_id, token, [
         metrics(10, total=10),
         {"kind": "result", "attempt": 1, "time": now, "fine_tuned_model": f"ft:preset:tiny-llama:{job_id}",
-         "artifacts": {"adapter": "/s/jobs/x/adapter"}, "trained_tokens": 4096},
+         "artifacts": {"adapter": "adapter"}, "trained_tokens": 4096},
     ])
     assert r.status_code == 200, r.text
     assert r.json()["status"] == "succeeded"
     j = job(client, key, job_id)
     assert j["status"] == "succeeded" and j["fine_tuned_model"] == f"ft:preset:tiny-llama:{job_id}"
     assert j["trained_tokens"] == 4096 and j["finished_at"] is not None
-    content = client.get(f"/v1/files/{j['result_files'][0]}/content", headers={"Authorization": f"Bearer {key}"})
-    assert content.status_code == 200 and content.json()["artifacts"] == {"adapter": "/s/jobs/x/adapter"}
+    csv_id, json_id = j["result_files"]  # OpenAI's per-step metrics CSV, then memfit's results.json
+    content = client.get(f"/v1/files/{json_id}/content", headers={"Authorization": f"Bearer {key}"})
+    # Stored relative to the attempt's folder (paths outside it are refused: tests/test_worker_claims.py), shown where it is.
+    with app.state.sessions() as s:
+        attempt_folder = s.get(Job, job_id).output_dir
+    assert content.status_code == 200 and content.json()["artifacts"] == {"adapter": f"{attempt_folder}/adapter"}
+    csv = client.get(f"/v1/files/{csv_id}/content", headers={"Authorization": f"Bearer {key}"})
+    assert csv.headers["content-type"].startswith("text/csv")
+    assert csv.text.splitlines()[0] == "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy"
 
     before = events(client, key, job_id)
     late = post(client, job_id, token, [metrics(11, total=10),

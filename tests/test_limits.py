@@ -230,7 +230,8 @@ def test_an_api_key_past_its_burst_gets_429_with_retry_after_and_others_do_not(s
         r = client.get("/v1/files", headers=bearer(key))
         body = assert_rate_limited(r, "MEMFIT_RATE_LIMIT_KEY_PER_S")
         assert "this API key" in body["detail"] and "at most 0.01 requests per second (bursts of 3" in body["detail"]
-        assert 90 <= int(r.headers["Retry-After"]) <= 100  # one token at 0.01/s
+        # 3 requests per 300 s (bursts of 3 at 0.01/s), counted in a sliding window: the wait is within it
+        assert 1 <= int(r.headers["Retry-After"]) <= 300
         assert client.get("/v1/fine_tuning/jobs", headers=bearer(other)).status_code == 200
         # Health, readiness, metrics and the workers' ingest are not the tenant's traffic.
         for path in ("/healthz", "/readyz", "/metrics"):
@@ -256,6 +257,16 @@ def test_invented_keys_spend_their_address_bucket_but_an_accepted_key_keeps_its_
         assert codes == [401, 401, 429]
         assert_rate_limited(client.get("/v1/files", headers=bearer("mf-invented-9")), "MEMFIT_RATE_LIMIT_IP_PER_S")
         assert client.get("/v1/files", headers=bearer(good)).status_code == 200
+
+
+def test_the_tinker_key_header_gets_its_own_bucket_once_accepted(serve):
+    """The tinker SDK's X-API-Key (api/routes/tinker.py) counts as a key: not charged to the address's bucket."""
+    with serve(rate_limit_ip_per_s=0.01, rate_limit_ip_burst=2) as (app, client):
+        tml = {"X-API-Key": "tml-" + new_key(app.state.sessions)}
+        assert [client.get("/api/v1/get_server_capabilities", headers=tml).status_code for _ in range(4)] == [200] * 4
+        codes = [client.get("/api/v1/get_server_capabilities", headers={"X-API-Key": f"tml-mf-invented-{i}"}).status_code
+                 for i in range(3)]
+        assert codes == [401, 401, 429]
 
 
 def test_the_rate_limit_can_be_turned_off(serve):
@@ -288,7 +299,8 @@ def test_a_body_over_the_limit_is_413_declared_or_chunked_on_every_json_route(se
             for i in range(0, len(big), 1000):
                 yield big[i:i + 1000]
 
-        for path in ("/v1/fine_tuning/jobs", "/v1/memory/plan", "/v1/internal/jobs/ftjob-x/ingest"):
+        # (the workers' ingest has a cap of its own, read after its token: tests/test_ingest_door.py)
+        for path in ("/v1/fine_tuning/jobs", "/v1/memory/plan"):
             for content in (big, chunked()):
                 r = client.post(path, content=content, headers={**bearer(key), "content-type": "application/json"})
                 assert_problem(r, 413, "body_too_large", "4096 bytes", "MEMFIT_MAX_JSON_BODY_BYTES")
@@ -302,7 +314,7 @@ def nested(depth: int) -> str:
     return '{"model": "preset:tiny-llama", "metadata": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
 
 
-@pytest.mark.parametrize("path", ["/v1/fine_tuning/jobs", "/v1/memory/plan", "/v1/internal/jobs/ftjob-x/ingest"])
+@pytest.mark.parametrize("path", ["/v1/fine_tuning/jobs", "/v1/memory/plan"])
 @pytest.mark.parametrize("depth", [65, 100_000])
 def test_json_nested_past_the_limit_is_400_naming_it(serve, path, depth):
     with serve(max_json_body_bytes=1024 * 1024) as (app, client):

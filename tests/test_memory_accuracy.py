@@ -9,6 +9,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # trains or fuzzes: not in `make test-fast`
+
 from bench.memory_accuracy import (  # noqa: E402
     Case,
     fullest_rank_states,

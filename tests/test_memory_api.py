@@ -183,7 +183,7 @@ def test_a_job_that_fits_is_created_with_its_plan_and_no_extra_event(client, ten
     job = r.json()
     assert job["memory"]["fits"] is True and job["memory"]["measured_peak_bytes"] is None
     events = events_of(client, tenant, job["id"])  # create's own: the file check and the derived hyperparameters
-    assert [e["message"] for e in events if "derived" not in (e["data"] or {})] == [
+    assert [e["message"] for e in events if "derived" not in (e.get("data") or {})] == [
         f"Validating training file: {job['training_file']}"]
 
 
@@ -271,7 +271,7 @@ def test_memory_view_compares_each_category_and_is_tenant_scoped(client, api_app
 
 @pytest.fixture(scope="module")
 def stack(new_database, ray_head, tmp_path_factory):
-    from tests.test_e2e import Stack
+    from tests.stack import Stack
 
     with new_database() as url:
         s = Stack(url, tmp_path_factory.mktemp("oom-storage"), ray_head)

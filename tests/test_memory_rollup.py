@@ -161,7 +161,7 @@ def test_job_page_reads_a_bounded_number_of_points(client, api_app, tenant, long
     # The live update after the page's newest sample: nothing new yet.
     r = client.get(f"/ui/jobs/{job_id}/memory.json", params={"after_id": mem["last_sample_id"]}, headers=tenant.headers)
     assert r.status_code == 200 and r.json()["samples"] == []
-    page = client.get(f"/ui/jobs/{job_id}", cookies={"memfit_key": tenant.key})
+    page = client.get(f"/ui/jobs/{job_id}", headers=tenant.headers)
     assert page.status_code == 200
 
 

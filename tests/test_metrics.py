@@ -44,7 +44,7 @@ def test_metrics_expose_the_named_series_with_real_values(env):
     running = create_job(client, key, upload(client, key))["id"]
     sched.validate_pending()
     token = {j: t for j, _, t in sched.claim(limit=10)}[running]
-    queued = create_job(client, key, upload(client, key))["id"]
+    create_job(client, key, upload(client, key))  # stays queued
     cancelled = create_job(client, key, upload(client, key))["id"]
     sched.validate_pending()
     assert client.post(f"/v1/fine_tuning/jobs/{cancelled}/cancel", headers=auth).status_code == 200

@@ -10,7 +10,7 @@ from service.store import db
 from service.store.models import Base
 
 TABLES = {"tenants", "api_keys", "files", "idempotency_keys", "jobs", "job_events", "checkpoints", "memory_samples",
-          "series_rollups", "series_heads"}
+          "series_rollups", "series_heads", "web_sessions"}
 
 
 def _diff(url: str) -> list:

@@ -16,7 +16,7 @@ import pytest
 from service.scheduler.local_head import LocalRayHead
 from service.scheduler.ray_jobs import RayJobs
 from tests.ray_nodes import RayNode, alive_nodes
-from tests.test_e2e import Stack
+from tests.stack import Stack
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 

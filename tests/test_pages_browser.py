@@ -21,14 +21,14 @@ import pytest
 from service.scheduler.loop import Scheduler
 from service.scheduler.ray_jobs import RayJobs
 from tests.factories import new_key
-from tests.test_e2e import Stack
+from tests.stack import Stack
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 CHROMIUM = os.environ.get("MEMFIT_CHROMIUM", "/usr/bin/chromium")
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--no-first-run"]
-STEPS = 4
+STEPS = 6  # the finished job's steps (tests/stack.py: TINY)
 
 
 def _no_browser(reason: str):
@@ -53,20 +53,24 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def stack(new_database, ray_head, tmp_path_factory):
-    with new_database() as url:
-        s = Stack(url, tmp_path_factory.mktemp("pages-storage"), ray_head)
-        s.start_scheduler()
-        yield s
-        s.close()
+def stack(shared_stack):
+    """The session's stack: its finished job is the real job every page test reads."""
+    return shared_stack
 
 
 @pytest.fixture(scope="module")
-def real_job(stack) -> dict:
-    """One tiny fine-tune (DDP, 2 workers, LoRA, with a validation file) run to the end."""
-    job_id = stack.create(strategy="ddp", peft={"method": "lora", "r": 8},
-                          hyperparameters={"max_steps": STEPS}, checkpoint_every_steps=2)
-    return stack.wait(job_id, ("succeeded",), timeout=420)
+def real_job(finished_job) -> dict:
+    """The session's one finished fine-tune (DDP, 2 workers, LoRA, a validation file; tests/conftest.py)."""
+    return finished_job
+
+
+@pytest.fixture
+def hand_stack(new_database, ray_head, tmp_path_factory):
+    """A stack of its own with no scheduler: its job is claimed and fed through the ingest endpoint by hand."""
+    with new_database() as url:
+        s = Stack(url, tmp_path_factory.mktemp("pages-hand-storage"), ray_head)
+        yield s
+        s.close()
 
 
 def login(context, base_url: str, key: str, screenshot=None):
@@ -124,7 +128,7 @@ def test_job_page_of_a_real_job_shows_its_charts(browser, stack, real_job, artif
 
         # Memory: a stacked chart for EACH rank, every category series present, measured bytes in it.
         assert sorted(state["memory"]) == ["0", "1"]
-        for rank, chart in state["memory"].items():
+        for chart in state["memory"].values():
             assert chart["stacked"]
             cats = [d["category"] for d in chart["datasets"] if d["stack"] == "measured"]
             assert cats == ["parameters", "gradients", "optimizer_states", "activations", "other"]
@@ -161,62 +165,59 @@ def test_job_page_of_a_real_job_shows_its_charts(browser, stack, real_job, artif
         context.close()
 
 
-def test_live_updates_arrive_without_reload(browser, stack, real_job, artifacts_dir):
+def test_live_updates_arrive_without_reload(browser, hand_stack, artifacts_dir):
     """A job page open while records are ingested: loss, progress, events and the rank's stacked
     memory chart grow from the SSE stream, and the page is never reloaded."""
-    stack.stop_scheduler()  # this job is driven by hand: claimed, then fed through the ingest endpoint
+    stack = hand_stack  # this job is driven by hand: claimed, then fed through the ingest endpoint
+    job_id = stack.create()
+    sched = Scheduler(stack.app.state.sessions, stack.settings, RayJobs("http://127.0.0.1:9"))
+    sched.validate_pending()
+    token = {j: t for j, _, t in sched.claim(limit=10)}[job_id]
+    ingest = f"/v1/internal/jobs/{job_id}/ingest"
+
+    def post(records):
+        r = stack.http.post(ingest, json={"records": records}, headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 200, r.text
+
+    def step(n):
+        now = time.time()
+        return [{"kind": "metrics", "attempt": 1, "time": now, "rank": 0, "step": n, "total_steps": 10,
+                 "loss": 4.0 / n, "tokens_per_s": 1000.0 + n, "step_time_s": 0.5},
+                {"kind": "memory", "attempt": 1, "time": now, "rank": 0, "step": n,
+                 "parameters_bytes": 4_000_000, "gradients_bytes": 4_000_000, "optimizer_bytes": 8_000_000,
+                 "activations_bytes": 1_000_000 * n, "temporary_bytes": 500_000, "other_bytes": 0,
+                 "peak_bytes": 17_500_000 + 1_000_000 * n}]
+
+    post(step(1))
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
     try:
-        job_id = stack.create()
-        sched = Scheduler(stack.app.state.sessions, stack.settings, RayJobs("http://127.0.0.1:9"))
-        sched.validate_pending()
-        token = {j: t for j, _, t in sched.claim(limit=10)}[job_id]
-        ingest = f"/v1/internal/jobs/{job_id}/ingest"
+        page = login(context, stack.server.url, stack.key)
+        page.goto(f"{stack.server.url}/ui/jobs/{job_id}")
+        page.evaluate("() => { window.__notReloaded = true; }")
+        page.wait_for_function("() => window.memfitLive && window.memfitLive.connected")
+        before = chart_state(page)
+        assert before["loss"]["labels"] == [1]
+        assert before["memory"]["0"]["labels"] == [1]
 
-        def post(records):
-            r = stack.http.post(ingest, json={"records": records}, headers={"Authorization": f"Bearer {token}"})
-            assert r.status_code == 200, r.text
+        post(step(2) + step(3))
+        page.wait_for_function("() => window.memfitCharts.loss.data.labels.length === 3")
+        page.wait_for_function("() => window.memfitCharts.memory[0].data.labels.length === 3")
+        after = chart_state(page)
+        assert after["loss"]["labels"] == [1, 2, 3]
+        assert after["loss"]["datasets"][0]["data"] == pytest.approx([4.0, 2.0, 4.0 / 3])
+        acts = next(d for d in after["memory"]["0"]["datasets"] if d["category"] == "activations")
+        assert acts["data"] == [1_000_000, 2_000_000, 3_000_000]
+        assert page.locator("#progress-text").inner_text() == "step 3/10"
+        assert "Step 3/10" in page.locator("#events tr").first.inner_text()
+        page.screenshot(path=str(artifacts_dir / "job-page-live.png"), full_page=True)
 
-        def step(n):
-            now = time.time()
-            return [{"kind": "metrics", "attempt": 1, "time": now, "rank": 0, "step": n, "total_steps": 10,
-                     "loss": 4.0 / n, "tokens_per_s": 1000.0 + n, "step_time_s": 0.5},
-                    {"kind": "memory", "attempt": 1, "time": now, "rank": 0, "step": n,
-                     "parameters_bytes": 4_000_000, "gradients_bytes": 4_000_000, "optimizer_bytes": 8_000_000,
-                     "activations_bytes": 1_000_000 * n, "temporary_bytes": 500_000, "other_bytes": 0,
-                     "peak_bytes": 17_500_000 + 1_000_000 * n}]
-
-        post(step(1))
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
-        try:
-            page = login(context, stack.server.url, stack.key)
-            page.goto(f"{stack.server.url}/ui/jobs/{job_id}")
-            page.evaluate("() => { window.__notReloaded = true; }")
-            page.wait_for_function("() => window.memfitLive && window.memfitLive.connected")
-            before = chart_state(page)
-            assert before["loss"]["labels"] == [1]
-            assert before["memory"]["0"]["labels"] == [1]
-
-            post(step(2) + step(3))
-            page.wait_for_function("() => window.memfitCharts.loss.data.labels.length === 3")
-            page.wait_for_function("() => window.memfitCharts.memory[0].data.labels.length === 3")
-            after = chart_state(page)
-            assert after["loss"]["labels"] == [1, 2, 3]
-            assert after["loss"]["datasets"][0]["data"] == pytest.approx([4.0, 2.0, 4.0 / 3])
-            acts = next(d for d in after["memory"]["0"]["datasets"] if d["category"] == "activations")
-            assert acts["data"] == [1_000_000, 2_000_000, 3_000_000]
-            assert page.locator("#progress-text").inner_text() == "step 3/10"
-            assert "Step 3/10" in page.locator("#events tr").first.inner_text()
-            page.screenshot(path=str(artifacts_dir / "job-page-live.png"), full_page=True)
-
-            # The run ends: the status badge turns and the stream closes, still without a reload.
-            post([{"kind": "result", "attempt": 1, "time": time.time(), "fine_tuned_model": "ft:live", "artifacts": {}}])
-            page.wait_for_function("() => window.memfitLive.ended")
-            assert page.locator("#job-status").inner_text() == "succeeded"
-            assert page.evaluate("() => window.__notReloaded") is True
-        finally:
-            context.close()
+        # The run ends: the status badge turns and the stream closes, still without a reload.
+        post([{"kind": "result", "attempt": 1, "time": time.time(), "fine_tuned_model": "ft:live", "artifacts": {}}])
+        page.wait_for_function("() => window.memfitLive.ended")
+        assert page.locator("#job-status").inner_text() == "succeeded"
+        assert page.evaluate("() => window.__notReloaded") is True
     finally:
-        stack.start_scheduler()
+        context.close()
 
 
 def test_jobs_list_filter_and_planner_page(browser, stack, real_job, artifacts_dir):

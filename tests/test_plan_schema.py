@@ -34,6 +34,8 @@ CASES = json.loads((Path(__file__).parent / "data" / "plans_before_typed_plan.js
 # three T × intermediate gradients; the recomputation's own forward, a phase of its own) and the second
 # suggestion of fsdp_2_workers_l4 (LoRA with checkpointing: the first block's input needs a gradient), neither peak.
 # And the two CPU cases' optimizer states by 4 bytes a trainable tensor (AdamW's 0-dim fp32 ``step``).
+# And fsdp_2_workers_l4's suggestions: FSDP2 now holds a PEFT method's frozen base in 16 bits (service/domain/
+# training.py regime), so LoRA with checkpointing fits without a smaller micro-batch and ranks first.
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from service.scheduler.local_head import LocalRayHead, ray_env
 from service.scheduler.paths import attempt_dir, request_path, spool_path, submission_id
 from service.scheduler.ray_jobs import RayJobs
 from service.store.models import Checkpoint, Job, JobEvent
-from tests.test_e2e import Stack, training
+from tests.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -203,8 +203,10 @@ def test_an_attempt_ray_lost_track_of_that_still_runs_is_fenced_off(new_database
                 stack, job_id, 2), "attempt 1 did not outlive the requeue: nothing was fenced"
             assert late == [], late
             assert row.output_dir == str(attempt_dir(stack.settings, job_id, 2))
-            for attempt, path in checkpoints:  # each checkpoint lies in the folder of the attempt that made it
-                assert Path(path).is_relative_to(attempt_dir(stack.settings, job_id, attempt)), (attempt, path)
+            for attempt, path in checkpoints:  # each stored relative to the folder of the attempt that made it
+                assert not Path(path).is_absolute() and ".." not in Path(path).parts, (attempt, path)
+                assert (attempt_dir(stack.settings, job_id, attempt) / path).is_relative_to(
+                    attempt_dir(stack.settings, job_id, attempt)), (attempt, path)
             assert {a for a, _ in checkpoints} == {1, 2}
             assert all(Path(p).is_relative_to(attempt_dir(stack.settings, job_id, 2))
                        for p in stack.artifacts(job).values())

@@ -275,7 +275,7 @@ def killed_at(proc: subprocess.Popen, marker: Path, log: Path) -> None:
 @pytest.mark.parametrize("point, attempts", [("claim", 1), ("before_submit", 2), ("after_submit", 1)])
 def test_a_scheduler_sigkilled_mid_claim_or_submission_loses_nothing_and_runs_nothing_twice(
         point, attempts, new_database, ray_head, tmp_path, artifacts_dir):
-    from tests.test_e2e import Stack
+    from tests.stack import Stack
 
     with new_database() as url:
         stack = Stack(url, tmp_path / "storage", ray_head)

@@ -213,15 +213,21 @@ def test_batch_size_auto_is_what_training_makes_and_stays_auto():
     assert event.message == "batch_size auto → 12 = micro_batch_size 2 × gradient_accumulation_steps 3 × 2 workers"
 
 
-def test_integrations_are_kept_with_a_warning():
+def test_integrations_are_kept_and_run():
+    """W&B (OpenAI's) and MLflow (memfit's) integrations are kept as given and run with the job
+    (workers/integrations.py): nothing to warn about at creation; each names its own object."""
     wandb = {"project": "p", "entity": "team", "name": "run", "tags": ["a"]}
-    derived = derive(validate_spec({**BASE, "integrations": [{"type": "wandb", "wandb": wandb}]}))
-    assert [i.model_dump() for i in derived.spec.integrations] == [{"type": "wandb", "wandb": wandb}]
-    [warn] = [d for d in derived.derivations if d.level == "warn"]
-    assert "no network to Weights & Biases" in warn.message
-    assert warn.data == {"integration": "wandb", "project": "p", "enabled": False}
-    assert problems({**BASE, "integrations": [{"type": "slack"}]}) == [
-        ("integrations.0.type", "invalid_value"), ("integrations.0.wandb", "invalid_value")]
+    mlflow = {"tracking_uri": "https://mlflow.example", "experiment": "e", "run_name": None}
+    derived = derive(validate_spec({**BASE, "integrations": [{"type": "wandb", "wandb": wandb},
+                                                             {"type": "mlflow", "mlflow": mlflow}]}))
+    assert [i.model_dump(exclude_none=True) for i in derived.spec.integrations] == [
+        {"type": "wandb", "wandb": wandb}, {"type": "mlflow", "mlflow": {k: v for k, v in mlflow.items() if v}}]
+    assert [d for d in derived.derivations if d.level == "warn"] == []
+    assert problems({**BASE, "integrations": [{"type": "slack"}]}) == [("integrations.0.type", "invalid_value")]
+    assert problems({**BASE, "integrations": [{"type": "mlflow", "wandb": wandb}]}) == [("integrations.0", "invalid_value")]
+    # a path on the server's disk is not a tracking URI a tenant may name
+    assert problems({**BASE, "integrations": [{"type": "mlflow", "mlflow": {"tracking_uri": "file:///etc"}}]}) == [
+        ("integrations.0.mlflow.tracking_uri", "invalid_value")]
 
 
 MICRO_4 = {"training": {"hyperparameters": {"micro_batch_size": 4}}}
@@ -255,15 +261,25 @@ def test_only_what_the_caller_set_can_conflict(body, param, message):
     assert [(p.param, p.code, p.message) for p in exc.value.problems] == [(param, "invalid_value", message)]
 
 
-@pytest.mark.parametrize("method", ["dpo", "reinforcement"])
-def test_other_methods_are_refused_naming_method_type(method):
-    body = {**BASE, "method": {"type": method, method: {"hyperparameters": {"n_epochs": 2}}}}
+def test_reinforcement_needs_its_grader_and_dpo_is_a_method():
+    body = {**BASE, "method": {"type": "reinforcement", "reinforcement": {"hyperparameters": {"n_epochs": 2}}}}
     with pytest.raises(SpecError) as exc:
         validate_spec(body)
     assert [(p.param, p.code, p.message) for p in exc.value.problems] == [
-        ("method.type", "unsupported_method",
-         f"memfit offers supervised fine-tuning only; method.type {method!r} is not supported")]
+        ("method.reinforcement.grader", "invalid_value", "Field required")]
     assert problems({**BASE, "method": {"type": "supervised", "dpo": {}}}) == [("method.dpo", "invalid_value")]
+    dpo = validate_spec({**BASE, "method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.5, "n_epochs": 2}}},
+                         "training": {"peft": {"method": "lora"}}})
+    assert dpo.openai_hyperparameters.beta == 0.5 and dpo.resolved().n_epochs == 2
+    assert problems({**BASE, "method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 3}}}}) == [
+        ("method.dpo.hyperparameters.beta", "invalid_value")]
+    # what DPO is not built with names its field
+    assert problems({**BASE, "method": {"type": "dpo"}, "training": {"strategy": "pipeline", "resources": {
+        "num_workers": 2}, "hyperparameters": {"micro_batch_size": 2}}}) == [("training.strategy", "invalid_value")]
+    assert problems({**BASE, "method": {"type": "dpo"}, "training": {"dpo_reference": "adapter_disabled"}}) == [
+        ("training.dpo_reference", "invalid_value")]
+    assert problems({**BASE, "method": {"type": "dpo"}, "training": {"hyperparameters": {"packing": True}}}) == [
+        ("training.hyperparameters.packing", "invalid_value")]
 
 
 def test_interleaved_1f1b_options_are_checked_by_field():
@@ -292,3 +308,39 @@ def test_the_tensor_strategy_refuses_an_elastic_range_naming_the_field():
     assert [p.param for p in exc.value.problems] == ["training.resources.min_workers"]
     body["training"]["resources"]["min_workers"] = 4
     validate_spec(body)
+
+
+RFT_GRADER = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+              "reference": "{{item.answer}}", "operation": "eq"}
+
+
+def test_reinforcement_spec_in_openais_shape_is_derived_explicitly():
+    from service.domain.spec import derive, rl_reference_mode
+
+    body = {**BASE, "method": {"type": "reinforcement", "reinforcement": {
+        "grader": RFT_GRADER, "hyperparameters": {"n_epochs": 2, "batch_size": 4, "compute_multiplier": 2,
+                                                  "eval_interval": 3}}},
+        "training": {"peft": {"method": "lora"}, "rl": {"kl_coef": 0.05}}}
+    spec = derive(validate_spec(body), training_examples=8).spec
+    rl = spec.method.reinforcement
+    assert rl.grader.operation == "eq" and spec.training.rl.samples_per_prompt == 8
+    assert spec.training.eval_every_steps == 3 and rl.hyperparameters.eval_samples == 1
+    assert rl_reference_mode(spec.training) == "adapter_disabled"
+    assert spec.resolved().global_batch_size == 4
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"training": {"strategy": "fsdp"}}, "training.strategy"),
+    ({"training": {"rl": {"kl_coef": 0.1, "reference": "adapter_disabled"}}}, "training.rl.reference"),
+    ({"training": {"rl": {"max_completion_tokens": 600}}}, "training.rl.max_completion_tokens"),
+    ({"training": {"hyperparameters": {"packing": True}}}, "training.hyperparameters.packing"),
+    ({"hyperparameters_rl": {"reasoning_effort": "high"}}, "method.reinforcement.hyperparameters.reasoning_effort"),
+    ({"grader": {**RFT_GRADER, "type": "text_similarity", "evaluation_metric": "cosine", "operation": None}},
+     "method.reinforcement.grader"),
+])
+def test_reinforcement_refusals_name_their_field(extra, param):
+    reinforcement = {"grader": extra.pop("grader", RFT_GRADER), "hyperparameters": extra.pop("hyperparameters_rl", {})}
+    body = {**BASE, "method": {"type": "reinforcement", "reinforcement": reinforcement}, **extra}
+    with pytest.raises(SpecError) as exc:
+        validate_spec(body)
+    assert any(p.param.startswith(param) for p in exc.value.problems), exc.value.problems

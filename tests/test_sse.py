@@ -209,7 +209,8 @@ def test_stream_is_tenant_scoped_and_validates_the_cursor(env):
         r = c.get(f"/v1/fine_tuning/jobs/{job_id}/events", headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200 and r.json()["object"] == "list"
         # The dashboard's cookie authenticates the stream too (EventSource cannot send headers).
-        r = c.get(stream_path(job_id), cookies={"memfit_key": other})
+        login = c.post("/ui/login", data={"api_key": other, "next": "/ui/jobs"}, follow_redirects=False)
+        r = c.get(stream_path(job_id), cookies={"memfit_session": login.cookies["memfit_session"]})
         assert r.status_code == 404
 
 

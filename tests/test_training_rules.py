@@ -19,6 +19,7 @@ from service.domain.spec import (
     StrategyName,
     validate_spec,
 )
+from service.memory import job as planned_job
 from service.memory import planner
 from service.memory.shape import shape_for_model
 
@@ -70,7 +71,7 @@ def test_planner_and_worker_use_the_same_regime_object(case, monkeypatch):
         calls.append((args, rg))
         return rg
 
-    monkeypatch.setattr(planner, "regime", spy)
+    monkeypatch.setattr(planned_job, "regime", spy)  # where the planner reads a job's regime (service/memory/job.py)
     monkeypatch.setattr(common, "regime", spy)
     p = planner.plan(spec, shape_for_model(resolve_model(MODEL, ())))
     req = RunRequest(job_id="ftjob-1", spec=spec, training_path="/t.jsonl", output_dir="/out")
@@ -131,13 +132,14 @@ def test_build_model_holds_the_frozen_base_as_the_regime_says(tmp_path, strategy
     args = _tiny_args(tmp_path, strategy=strategy, peft_method=peft, precision=precision)
     rg = training.regime(strategy, peft, precision)
     model = build_model(args, str(resolve_model_dir(MODEL)))
-    # the frozen base as build_model leaves it: cast when the regime says so, else fp32 (FSDP2 and
-    # DeepSpeed cast for compute when they wrap the model)
+    # the frozen base as build_model reads it: in the regime's 16-bit dtype where it holds it so (LoRA + bf16
+    # under DDP or a pipeline, any PEFT base under FSDP2, DeepSpeed's 16-bit mode), else fp32
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
     trained = {p.dtype for p in model.parameters() if p.requires_grad}
-    assert frozen == {getattr(torch, rg.frozen_dtype) if rg.cast_frozen_base else torch.float32}
+    assert frozen == {getattr(torch, rg.frozen_dtype)}
     assert trained == {torch.float32}
-    assert rg.cast_frozen_base == ((strategy, peft, precision) == ("ddp", "lora", "bf16"))
+    assert rg.cast_frozen_base == ((strategy, peft, precision) in {("ddp", "lora", "bf16"), ("fsdp", "lora", "bf16")})
+    assert training.regime("pipeline", "lora", "bf16").frozen_dtype == "bfloat16"
 
 
 def test_build_model_takes_the_dtype_from_the_domain_regime(tmp_path, monkeypatch):
@@ -160,8 +162,8 @@ def test_planner_counts_the_regime_it_is_given(monkeypatch):
     shape = shape_for_model(resolve_model(MODEL, ()))
     fp32 = planner.plan(spec, shape)
     real = training.regime
-    monkeypatch.setattr(planner, "regime", lambda *a: dataclasses.replace(real(*a), frozen_dtype="bfloat16",
-                                                                         cast_frozen_base=True))
+    monkeypatch.setattr(planned_job, "regime", lambda *a: dataclasses.replace(real(*a), frozen_dtype="bfloat16",
+                                                                             cast_frozen_base=True))
     halved = planner.plan(spec, shape)
     frozen = fp32.parameter_count - fp32.trainable_parameter_count
     assert fp32.model_states.device.parameters - halved.model_states.device.parameters == 2 * frozen

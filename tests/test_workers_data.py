@@ -83,7 +83,9 @@ def test_truncation_and_packing(tokenizer, tmp_path):
     [
         (['{"text": "ok"}', '{"text": "ok"}', '{"text": oops}'], 3, "invalid JSON"),
         (['{"prompt": "a", "completion": "b"}', '{"prompt": "a"}'], 2, "completion"),
-        (['{"messages": [{"role": "user", "content": "hi"}]}'], 1, "assistant"),
+        # a file of prompt rows alone is a reinforcement file (service/domain/datafmt.py); in a chat file it is refused
+        (['{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
+          '{"messages": [{"role": "user", "content": "hi"}]}'], 2, "assistant"),
         (['{"text": "a"}', '{"prompt": "a", "completion": "b"}'], 2, "text"),
         (['{"text": "a"}', '', '{"foo": 1}'], 3, ""),
         (['{"messages": [{"role": "robot", "content": "x"}]}'], 1, "role"),
@@ -109,7 +111,7 @@ def test_a_tool_call_line_is_accepted_by_the_upload_and_trained_on_by_the_loader
     data = load_dataset(str(path), tokenizer, max_seq_length=1024)
     assert data.fmt == "chat" and len(data) == 2
     ids, labels = data.examples[1]
-    # memfit's default template knows no tool_calls: the call is the assistant's text, never a rendered "None".
+    # memfit's default template renders the call as JSON after the (null, so absent) content, never a rendered "None".
     calls = json.dumps(TOOL_CALL_ROW["messages"][1]["tool_calls"])
     assert _trained_text(tokenizer, ids, labels) == f"{calls}<|end|>\nIt is 18C.<|end|>\n<|eos|>"
     assert "None" not in tokenizer.decode(ids, skip_special_tokens=False)

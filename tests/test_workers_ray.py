@@ -109,11 +109,11 @@ def test_ddp_resumes_after_a_worker_dies_and_a_second_driver_resumes(ray_session
 
     # A new driver with the same RunConfig(name, storage_path) picks up the latest checkpoint (step
     # 10 of 10): it trains no step and only re-exports the artifacts — what the scheduler relies on
-    # to resubmit a job after a Ray head restart.
+    # to resubmit a job after a Ray head restart. Its load and export phases still report their memory.
     second = req.model_copy(update={"metrics_path": str(tmp_path / "second.jsonl")})
     fit(second)
     again = _records(second)
-    assert [r["kind"] for r in again] == ["result"]
+    assert [r["kind"] for r in again if r["kind"] != "memory"] == ["result"]
 
 
 def test_lora_ddp_through_the_cli_entrypoint(ray_head, presets, tmp_path):
@@ -140,9 +140,10 @@ def test_lora_ddp_through_the_cli_entrypoint(ray_head, presets, tmp_path):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["status"] == "succeeded"
     records = _records(req)
     losses = _losses(records)
-    # telemetry_every_steps 2 (+ the traced step 3): steps 2, 3, 4, 6. A random base learns little
-    # through a low-rank adapter, but it does learn.
-    assert len(losses) == 4 and losses[-1] < losses[0]
+    # telemetry_every_steps 2, the traced step 3, and step 1 that carries the load phase's memory
+    # record: steps 1, 2, 3, 4, 6. A random base learns little through a low-rank adapter, but it does learn.
+    steps = sorted({r["step"] for r in records if r["kind"] == "metrics" and r["rank"] == 0})
+    assert steps == [1, 2, 3, 4, 6] and losses[-1] < losses[0]
     (result,) = [r for r in records if r["kind"] == "result"]
     assert result["artifacts"] == {"adapter": "adapter", "merged": "merged"}
     assert result["trained_tokens"] > 0

@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch")
 from workers.args import TrainArgs  # noqa: E402
 from workers.local import run_local  # noqa: E402
 
+pytestmark = pytest.mark.slow  # trains on gloo processes: not in `make test-fast`
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
 
 
@@ -144,7 +146,9 @@ def test_lora_bf16_keeps_the_frozen_base_in_bf16_and_learns(tmp_path):
     from workers.models import resolve_model_dir
     from workers.strategies import build_model
 
-    args = _args(tmp_path, peft_method="lora", precision="bf16", max_steps=12, learning_rate=3e-2)
+    # At 3e-2 this adapter's loss spikes on some batches of the seeded order (service/domain/sampling.py), in
+    # fp32 and bf16 alike but at different steps; at 1e-2 both fall 6.28 -> 5.88 over the 12 steps.
+    args = _args(tmp_path, peft_method="lora", precision="bf16", max_steps=12, learning_rate=1e-2)
     model = build_model(args, str(resolve_model_dir(args.model)))
     assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}  # AdamW on fp32
@@ -152,7 +156,7 @@ def test_lora_bf16_keeps_the_frozen_base_in_bf16_and_learns(tmp_path):
     losses = _losses(result["reports"])
     assert (Path(args.output_dir) / "adapter" / "adapter_config.json").exists()
     # it learns as the same LoRA does with an fp32 base
-    (ref,) = run_local(_args(tmp_path / "fp32", peft_method="lora", max_steps=12, learning_rate=3e-2))
+    (ref,) = run_local(_args(tmp_path / "fp32", peft_method="lora", max_steps=12, learning_rate=1e-2))
     ref_losses = _losses(ref["reports"])
     assert losses[-1] < losses[0] - 0.3 and ref_losses[-1] < ref_losses[0] - 0.3, (losses, ref_losses)
     assert abs(losses[-1] - ref_losses[-1]) < 0.05 * ref_losses[-1], (losses, ref_losses)
@@ -245,3 +249,18 @@ def test_examples_cut_before_their_labels_are_reported_once_as_a_warning(tmp_pat
 
     (result,) = run_local(_args(tmp_path / "long", training_path=chat, max_seq_length=512, max_steps=1))
     assert not [e for r in result["reports"] for e in r.get("events", [])]
+
+
+def test_the_result_is_the_last_record_of_its_report_after_every_ranks_last_phases():
+    """Ingest stores nothing after a run's last word: rank 1's last phases (its final checkpoint's memory),
+    reported beside rank 0's result, must come before it or the service drops them."""
+    from service.domain.records import MemoryRecord, ResultRecord
+    from workers.sink import report_to_records
+
+    phase = {"kind": "memory", "step": 4, "phase": "checkpoint", "source": "phase", "process_rss_bytes": 1 << 20}
+    result = {"fine_tuned_model": "ft:x", "artifacts": {"adapter": "adapter"}, "trained_tokens": 10}
+    per_rank = [{"kind": "result", "rank": 0, "step": 4, "result": result, "memory": [phase]},
+                {"kind": "result", "rank": 1, "step": 4, "result": None, "memory": [phase]}]
+    records = report_to_records(per_rank, None, attempt=1)
+    assert [(r["kind"], r.get("rank")) for r in records] == [("memory", 0), ("memory", 1), ("result", None)]
+    assert all(MemoryRecord.model_validate(r) for r in records[:2]) and ResultRecord.model_validate(records[-1])

@@ -2,8 +2,9 @@
 
     python examples/data/make_data.py
 
-Three formats: chat.jsonl (messages), completion.jsonl (prompt/completion), text.jsonl (text).
-Deterministic: the same files every run.
+Four formats: chat.jsonl (messages), completion.jsonl (prompt/completion), text.jsonl (text), and
+preference.jsonl (DPO: input, preferred_output, non_preferred_output — the answer preferred over "I do
+not know."). Deterministic: the same files every run.
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ def main() -> None:
                 {"role": "user", "content": f"What colour is the {thing}?"},
                 {"role": "assistant", "content": f"The {thing} is {colour}."},
             ]}) + "\n")
+
+    for name, n, seed in (("preference.jsonl", 64, 4), ("preference-validation.jsonl", 8, 5)):
+        with open(HERE / name, "w") as f:
+            for thing, colour in rows(n=n, seed=seed):
+                f.write(json.dumps({
+                    "input": {"messages": [{"role": "user", "content": f"What colour is the {thing}?"}]},
+                    "preferred_output": [{"role": "assistant", "content": f"The {thing} is {colour}."}],
+                    "non_preferred_output": [{"role": "assistant", "content": "I do not know."}],
+                }) + "\n")
 
 
 if __name__ == "__main__":
