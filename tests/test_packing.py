@@ -119,3 +119,42 @@ def test_a_packed_steps_peak_is_planned_as_a_masked_batch(tmp_path):
         assert abs(err) <= 0.05, (step, width, masked, measured["peak_bytes"], f"{err:+.2%}")
         print(f"step {step}: width {width}, planned {masked}, measured {measured['peak_bytes']} ({err:+.2%}); "
               f"unmasked plan {plan(spec, shape, seq_length=width).peak_bytes}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_packed_job_over_http_trains_on_the_losses_its_examples_have_alone(shared_stack):
+    """Over HTTP, through Ray: a job with ``packing: true`` whose six examples fit one row reports, at its first
+    step (a LoRA adapter starts as the identity: B = 0), the token-mean loss the base model gives each example on
+    its own. Recomputed here from the same seeded preset; the same row without the isolation (one causal sequence)
+    gives another loss, outside the tolerance, so the comparison can tell the two apart."""
+    from tests.factories import create_job, upload
+    from workers.models import build_preset, load_model, load_tokenizer
+
+    rows = [json.loads(line) for line in (DATA / "chat.jsonl").read_text().splitlines()[:12:2]]
+    stack = shared_stack
+    train = upload(stack.http, stack.key, rows, name="packed.jsonl")
+    job = create_job(stack.http, stack.key, train, {
+        "hyperparameters": {"max_steps": 1, "micro_batch_size": 1, "max_seq_length": 512, "packing": True},
+        "peft": {"method": "lora", "r": 8}, "resources": {"num_workers": 1}, "checkpoint_every_steps": 1})
+    stack.wait(job["id"], ("succeeded",), timeout=500)
+    [step] = [e["data"] for e in stack.events(job["id"]) if e["type"] == "metrics" and e["data"]["rank"] == 0]
+    assert step["step"] == 1
+
+    model_dir = str(build_preset("preset:tiny-llama"))
+    tok, model = load_tokenizer(model_dir), load_model(model_dir, "sdpa").eval()
+    examples = [encode_example(tok, r, "chat") for r in rows]
+    lengths = [len(ids) for ids, _ in examples]
+    assert sum(lengths) <= 512  # one packed row: the step is every example, whole
+    labels = sum(sum(1 for v in lab[1:] if v != IGNORE) for _, lab in examples)
+    with torch.no_grad():
+        alone = sum(float(forward_loss_sum(model, collate([e], tok.pad_token_id), torch.device("cpu"), None))
+                    for e in examples) / labels
+        packed = collate(pack(examples, 512), tok.pad_token_id, [packed_position_ids(lengths)])
+        plain = {k: v for k, v in packed.items() if k != "position_ids"}
+        leaked = float(forward_loss_sum(model, plain, torch.device("cpu"), None)) / labels
+    # A random preset predicts almost uniformly, so attention across examples moves the loss only a little (here
+    # 9e-6 of it): the job must match to float32's rounding, and the leaked row must lie well outside that.
+    tolerance = 2e-6
+    assert step["train_loss"] == pytest.approx(alone, rel=tolerance), (step["train_loss"], alone, leaked)
+    assert abs(leaked - alone) > 3 * tolerance * alone, (leaked, alone)  # without isolation the loss is another
