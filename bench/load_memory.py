@@ -148,17 +148,17 @@ def pids():
                 pass
     return found
 def rss(pid):
-    # the larger of the resident memory now and the kernel's high-water mark since the worker last reset it (at a
+    # (the resident memory now, the larger of it and the kernel's high-water mark since the worker last reset it (at a
     # phase's start): a peak shorter than the interval (a shard's fp32 staging copy lives a few ms) is kept by
     # the kernel until read, so the outside reading cannot miss it; before the reset it may carry an older peak,
-    # which is why only samples inside the phase's window count
+    # which is why only samples inside the phase's window, or up to its next reset, count)
     try:
         got = {}
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
                 if line.startswith((b"VmRSS:", b"VmHWM:")):
                     got[line[:5]] = int(line.split()[1]) * 1024
-        return max(got.values()) if got else None
+        return (got[b"VmRSS"], max(got.values())) if b"VmRSS" in got else None
     except OSError:
         return None
 with open(out, "w", buffering=1) as f:
@@ -171,14 +171,15 @@ with open(out, "w", buffering=1) as f:
             t = time.time()  # before the read: a sample stamped inside a phase was read after its reset
             b = rss(pid)
             if b is not None:
-                f.write(f"{pid} {t:.4f} {b}\n")
+                f.write(f"{pid} {t:.4f} {b[1]} {b[0]}\n")
         time.sleep(interval)
 """
 
 
 class RssSampler:
     """The resident memory of Ray Train's worker processes, read from outside every ``interval_s`` by a process of
-    its own (no thread of this one, whose GIL the service's threads share): per pid, a list of (time, bytes)."""
+    its own (no thread of this one, whose GIL the service's threads share): per pid, a list of (time, the larger of
+    VmRSS and VmHWM, VmRSS)."""
 
     def __init__(self, interval_s: float = 0.01, match: str = "RayTrainWorker"):
         import tempfile
@@ -199,29 +200,29 @@ class RssSampler:
             self._proc.wait(10)
 
     @property
-    def samples(self) -> dict[int, list[tuple[float, int]]]:
-        out: dict[int, list[tuple[float, int]]] = {}
+    def samples(self) -> dict[int, list[tuple[float, int, int]]]:
+        out: dict[int, list[tuple[float, int, int]]] = {}
         try:
             with open(self.path) as f:
                 for line in f:
                     parts = line.split()
-                    if len(parts) == 3:
-                        out.setdefault(int(parts[0]), []).append((float(parts[1]), int(parts[2])))
+                    if len(parts) == 4:
+                        out.setdefault(int(parts[0]), []).append((float(parts[1]), int(parts[2]), int(parts[3])))
         except OSError:
             pass
         return out
 
     def peak(self, pid: int, start: float, end: float) -> int | None:
-        vals = [b for t, b in self.samples.get(pid, []) if start <= t <= end]
+        vals = [b for t, b, _ in self.samples.get(pid, []) if start <= t <= end]
         return max(vals) if vals else None
 
-    def first_after(self, pid: int, end: float, until: float) -> int | None:
-        """The first reading after ``end`` and before ``until`` (the worker's next reset of its high-water mark):
-        it carries the phase's peak even when no reading fell between that peak and the phase's end, plus whatever
-        the process took since the end."""
-        for t, b in self.samples.get(pid, []):
+    def first_after(self, pid: int, end: float, until: float) -> tuple[int, int] | None:
+        """The first reading after ``end`` and before ``until`` (the worker's next reset of its high-water mark),
+        as (high-water mark, resident now): the mark carries the phase's peak even when no reading fell between
+        that peak and the phase's end, and whatever the process took since the end, which it still holds."""
+        for t, b, now in self.samples.get(pid, []):
             if end < t < until:
-                return b
+                return b, now
         return None
 
 
@@ -287,7 +288,7 @@ def measure_job(http, sampler: RssSampler, facts: dict, body: dict, timeout_s: f
         outside = sampler.peak(d["pid"], d["started_at"], d["ended_at"])
         after = sampler.first_after(d["pid"], d["ended_at"], next_reset(view, rank, d["ended_at"]))
         rows.append({"rank": rank, "telemetry_bytes": s["process_rss_bytes"], "sampler_bytes": outside,
-                     "sampler_after_bytes": after,
+                     "sampler_after_bytes": after[0] if after else None, "resident_after_bytes": after[1] if after else None,
                      "bound_bytes": bound, "bytes_read": d.get("bytes_read"), "bytes_held": d.get("bytes_held"),
                      "seconds": d["ended_at"] - d["started_at"], "pid": d["pid"]})
     export = phase_samples(view, "export").get(0)
@@ -309,13 +310,15 @@ def agree(row: dict, tolerance: float = 0.05, transient_bytes: int = 64 * MiB) -
     """The readings inside the phase can only miss its peak, never exceed the kernel's high-water mark, and they
     miss little: a reading carries the high-water mark since the phase's start, so only a peak in the phase's last
     interval escapes them. Where one did (a loaded machine's sampler waits for a core), the first reading after the
-    phase, before the worker's next reset, carries it: the telemetry then lies between the two readings, within the
-    tolerance of the later one, which can only have grown by what the process took after the phase."""
+    phase, before the worker's next reset, carries it: the telemetry then lies between the two readings, and the
+    later one is the telemetry's within the tolerance, or what the process holds at that reading (it took that
+    after the phase ended)."""
     s, t, a = row.get("sampler_bytes"), row.get("telemetry_bytes"), row.get("sampler_after_bytes")
     if not (s and t and s <= t * 1.001):
         return False
     slack = max(tolerance * t, transient_bytes)
-    return (t - s) <= slack or (a is not None and t * 0.999 <= a <= t + slack)
+    now = row.get("resident_after_bytes") or 0
+    return (t - s) <= slack or (a is not None and t * 0.999 <= a <= max(t, now) + slack)
 
 
 def logits_match(model_dir: Path, artifacts: dict) -> dict:

@@ -37,7 +37,8 @@ def engine(tmp_path_factory):
         model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base),
                                     peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
         model.save_pretrained(folder / name)
-    e = TransformersEngine(base, max_batch=8)
+    # a batch window long enough for a loaded machine's three submits (each renders its chat template) to meet
+    e = TransformersEngine(base, max_batch=8, batch_window_s=0.25)
     e.load_adapter("a1", str(folder / "a1"))
     e.load_adapter("a2", str(folder / "a2"))
     yield e
@@ -117,7 +118,9 @@ def test_a_cancelled_request_stops_generating(engine):
     seqs = engine.submit(chat_body(max_tokens=1000, temperature=1.0), "a1", events.append)
     for s in seqs:
         s.cancelled = True
-    time.sleep(1.0)
+    deadline = time.time() + 10
+    while not all(s.done for s in seqs) and time.time() < deadline:
+        time.sleep(0.05)
     assert all(s.done for s in seqs) and len([e for e in events if e["event"] == "delta"]) < 50
 
 

@@ -91,7 +91,7 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model_dir: str, *, max_batch: int = 8, max_context: int | None = None, dtype: str = "float32",
-                 threads: int | None = None):
+                 threads: int | None = None, batch_window_s: float = 0.002):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -100,6 +100,7 @@ class TransformersEngine:
         if threads:
             torch.set_num_threads(threads)
         self.model_dir = model_dir
+        self.batch_window_s = batch_window_s  # how long the first request waits for others to join its batch
         self.tokenizer = load_tokenizer(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         cfg = self.model.config
@@ -190,7 +191,7 @@ class TransformersEngine:
                 first = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
-            time.sleep(0.002)  # let the requests arriving together join one batch
+            time.sleep(self.batch_window_s)  # let the requests arriving together join one batch
             batch = [first]
             while len(batch) < self.max_batch:
                 try:
