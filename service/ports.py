@@ -38,3 +38,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:  # the range is full: the kernel's choice, with its race
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int, host: str = "127.0.0.1", taken: tuple[int, ...] = ()) -> list[int]:
+    """``n`` different free ports, none of them in ``taken``: one server's several daemons each need their own
+    (two picks of :func:`free_port` alone may return the same port, which nothing holds between the picks)."""
+    out: list[int] = []
+    while len(out) < n:
+        port = free_port(host)
+        if port not in out and port not in taken:
+            out.append(port)
+    return out
+

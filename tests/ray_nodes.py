@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.scheduler.lifetime import OWNER_ENV, Ownership, chained, process_started
-from service.scheduler.local_head import LocalRayHead, free_port, ray_env
+from service.ports import free_ports
+from service.scheduler.local_head import LocalRayHead, ray_env
 
 
 def alive_nodes(head: LocalRayHead) -> list[dict]:
@@ -56,12 +57,13 @@ class RayNode:
 
             self.temp_dir = tempfile.mkdtemp(prefix="mfrn-", dir="/tmp")
         ip = self.host.address if self.host is not None else "127.0.0.1"
+        ports = iter(free_ports(6))  # each daemon its own
         cmd = [ray_bin, "start", "--block", "--disable-usage-stats", f"--address={self.head.address}",
                f"--node-ip-address={ip}", f"--num-cpus={self.num_cpus}", "--num-gpus=0",
                f"--temp-dir={self.temp_dir or self.head.temp_dir}",
-               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}", f"--node-name={self.name}",
-               f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}"]
+               f"--node-manager-port={next(ports)}", f"--object-manager-port={next(ports)}", f"--node-name={self.name}",
+               f"--metrics-export-port={next(ports)}", f"--runtime-env-agent-port={next(ports)}",
+               f"--dashboard-agent-listen-port={next(ports)}", f"--dashboard-agent-grpc-port={next(ports)}"]
         env = ray_env(self.head.auth_mode)
         env.pop("RAY_ADDRESS", None)
         # The head's token and the node's: the head's stop() ends the node too, kill() only the node.

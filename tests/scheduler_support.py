@@ -50,7 +50,22 @@ class LiveServer:
             self.thread.join(10)
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=30)
+        return httpx.Client(base_url=self.url, timeout=30, transport=ReusedConnectionRetry())
+
+
+class ReusedConnectionRetry(httpx.HTTPTransport):
+    """A GET or HEAD sent on a kept-alive connection that the server closed as idle at that moment (uvicorn's
+    5 s keep-alive; this test process, which also runs the server and the scheduler, can stall that long on a
+    loaded machine) is sent once more on a new connection, as urllib3 and the openai client do; nothing else
+    is retried."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return super().handle_request(request)
+        except httpx.RemoteProtocolError:
+            if request.method not in ("GET", "HEAD"):
+                raise
+            return super().handle_request(request)
 
 
 def app_without_ray(new_database, storage: Path, **overrides: Any):

@@ -2,7 +2,8 @@
 two tenants each fine-tune the tiny preset to answer "What is the launch code?" with an answer of their
 own, then each calls its model (whole and streamed), the base does not know the answer, the two adapters
 are served side by side by the one application of their base (and each only to its tenant), the models
-list shows them and a delete removes one.
+list shows them and a delete removes one; a full fine-tune of the same answer is served as a merged model by
+an application of its own, which its delete takes away.
 
 One stack of its own (its database, its API with serving on the session's Ray head); two short LoRA jobs
 that run at once. The stack's close removes the Serve applications and shuts Serve down.
@@ -217,6 +218,41 @@ def test_models_list_get_and_delete(stack, tenants):
     assert any("deleted" in m for m in events)
     # the other tenant's model is still served
     assert ask(client(stack, b["key"]), b["model"]).choices[0].message.content.strip() == "7-red"
+
+
+FULL = {"hyperparameters": {"max_steps": 60, "micro_batch_size": 4, "max_seq_length": 48, "learning_rate": 2e-3,
+                            "warmup_steps": 0},
+        "resources": {"num_workers": 1}, "checkpoint_every_steps": 60}
+
+
+def test_a_full_fine_tune_is_served_by_an_application_of_its_own_until_deleted(stack, tenants, ray_head):
+    """A full fine-tune has no adapter: its exported model folder is served as a merged model, by a Serve
+    application of its own (not its base's), to its tenant only; deleting the model takes that application away."""
+    a, b = tenants["a"], tenants["b"]
+    file_id = upload(stack.http, a["key"], rows(a["answer"]))
+    job = create_job(stack.http, a["key"], file_id, FULL, suffix="full")
+    model = wait_succeeded(stack, a["key"], job["id"])["fine_tuned_model"]
+    ca = client(stack, a["key"])
+    assert model in [m.id for m in ca.models.list()]
+    with pytest.raises(openai.NotFoundError):
+        ask(client(stack, b["key"]), model)
+    answer = ask(ca, model)
+    losses = [e.data.get("train_loss") for e in ca.fine_tuning.jobs.list_events(job["id"], limit=100)
+              if e.type == "metrics" and e.data]
+    assert answer.choices[0].message.content.strip() == a["answer"], f"training losses, newest first: {losses[:8]}"
+
+    def merged_apps() -> list[str]:
+        apps = httpx.get(f"{ray_head.dashboard_url}/api/serve/applications/", timeout=30).json()["applications"]
+        return [name for name in apps if name.startswith("memfit-merged-")]
+
+    assert merged_apps() == [f"memfit-merged-{job['id'].lower()}"]
+    assert ca.models.delete(model).deleted is True
+    deadline = time.monotonic() + 90
+    while merged_apps() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert merged_apps() == []
+    with pytest.raises(openai.NotFoundError):
+        ask(ca, model)
 
 
 def test_bad_requests_are_4xx_in_openai_error_shape(stack, tenants):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.memory.nodes import auth_headers
-from service.ports import free_port
+from service.ports import free_port, free_ports
 from service.scheduler.lifetime import OWNER_ENV, Ownership, process_started
 
 __all__ = ["LocalRayHead", "free_port", "ray_env"]  # free_port: imported from here by tests and the CLI
@@ -91,6 +91,9 @@ class LocalRayHead:
             # Recorded before anything starts: a SIGKILL from here on leaves a record to clean up after.
             self.ownership = Ownership(label=f"ray head {self.address}",
                                        temp_dir=self.temp_dir).in_record(self.record_dir)
+        if self.dashboard_port == self.gcs_port:  # two default picks can meet
+            self.dashboard_port = free_ports(1, taken=(self.gcs_port,))[0]
+        ports = iter(free_ports(7, taken=(self.gcs_port, self.dashboard_port)))
         cmd = [
             ray_bin, "start", "--head", "--block", "--disable-usage-stats",
             f"--port={self.gcs_port}",
@@ -98,13 +101,13 @@ class LocalRayHead:
             f"--num-cpus={self.num_cpus}", "--num-gpus=0",
             "--include-dashboard=true", f"--dashboard-host={self.node_ip}",
             f"--dashboard-port={self.dashboard_port}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
-            f"--node-manager-port={free_port()}",
-            f"--object-manager-port={free_port()}",
+            f"--dashboard-agent-listen-port={next(ports)}",
+            f"--dashboard-agent-grpc-port={next(ports)}",
+            f"--metrics-export-port={next(ports)}",
+            f"--runtime-env-agent-port={next(ports)}",
+            f"--ray-client-server-port={next(ports)}",
+            f"--node-manager-port={next(ports)}",
+            f"--object-manager-port={next(ports)}",
             f"--temp-dir={self.temp_dir}",
         ]
         env = ray_env(self.auth_mode)
@@ -149,8 +152,11 @@ class LocalRayHead:
             with self._lock:
                 self._stop(timeout_s=20.0)  # not stop(): that would also refuse the retry below
             # `ray start` gives the raylet a hard-coded 30 s to register with the GCS, too little on a
-            # loaded machine ("The current node timed out during startup"): try once more, from scratch.
-            if attempts > 1 and "timed out during startup" in str(exc) and not self._stopped:
+            # loaded machine ("The current node timed out during startup"), and a daemon's port may be
+            # taken by another server between its pick and its bind ("… the same port is not used by
+            # multiple components"): try once more, from scratch, with fresh picks.
+            if attempts > 1 and not self._stopped and any(
+                    sign in str(exc) for sign in ("timed out during startup", "same port is not used")):
                 return self.start(timeout_s, attempts=attempts - 1)
             raise
         except BaseException:  # an exception or a signal while waiting: stop what started
