@@ -49,4 +49,3 @@ def free_ports(n: int, host: str = "127.0.0.1", taken: tuple[int, ...] = ()) -> 
         if port not in out and port not in taken:
             out.append(port)
     return out
-
