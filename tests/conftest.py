@@ -56,13 +56,7 @@ def pg_admin_url():
     if problem is None:
         yield url
         return
-    try:
-        server = pgserver.ThrowawayPostgres.start()
-    except pgserver.Unavailable as exc:
-        reason = f"Postgres at {url} is unreachable ({problem}) and no throwaway server could be started: {exc}"
-        if os.environ.get("MEMFIT_REQUIRE_POSTGRES") == "1":
-            pytest.fail(f"Postgres is required (MEMFIT_REQUIRE_POSTGRES=1). {reason}")
-        pytest.skip(reason)
+    server = pgserver.start_or_skip(f"Postgres at {url} is unreachable ({problem}) and no throwaway server could be started")
     try:
         yield server.admin_url
     finally:

@@ -40,6 +40,20 @@ class Unavailable(RuntimeError):
     """No throwaway server can be started here; the message says why."""
 
 
+def start_or_skip(why: str) -> "ThrowawayPostgres":
+    """A throwaway server for a test that needs one of its own; where none can start, the test skips, or fails
+    under MEMFIT_REQUIRE_POSTGRES=1 (CI), with ``why`` and the cause."""
+    try:
+        return ThrowawayPostgres.start()
+    except Unavailable as exc:
+        import pytest
+
+        reason = f"{why}: {exc}"
+        if os.environ.get("MEMFIT_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"Postgres is required (MEMFIT_REQUIRE_POSTGRES=1). {reason}")
+        pytest.skip(reason)
+
+
 def admin_url() -> str:
     """The server the tests try first (MEMFIT_TEST_PG_ADMIN overrides 127.0.0.1:5432)."""
     return os.environ.get("MEMFIT_TEST_PG_ADMIN", DEFAULT_ADMIN_URL)

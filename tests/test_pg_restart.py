@@ -36,12 +36,7 @@ HTTP_TIMEOUT_S = 10
 
 @pytest.fixture(scope="module")
 def server():
-    try:
-        pg = pgserver.ThrowawayPostgres.start()
-    except pgserver.Unavailable as exc:
-        if os.environ.get("MEMFIT_REQUIRE_POSTGRES") == "1":
-            pytest.fail(f"Postgres is required (MEMFIT_REQUIRE_POSTGRES=1): no throwaway server: {exc}")
-        pytest.skip(f"no throwaway Postgres server can be started here: {exc}")
+    pg = pgserver.start_or_skip("no throwaway Postgres server can be started here")
     try:
         yield pg
     finally:
