@@ -56,6 +56,7 @@ def train_loop_per_worker(config: dict) -> None:
     from workers.steps import OOM_ERRORS
 
     from workers.elastic import ElasticRefused, apply_world_size
+    from workers.peft_setup import leave_out_unused_backends
 
     req = on_this_node(RunRequest.model_validate(config["request"]))
     env = WorkerEnv.from_ray()
@@ -66,6 +67,7 @@ def train_loop_per_worker(config: dict) -> None:
         _write_rank_failure(req.output_dir, env.rank, exc.error)
         raise
     args = train_args(req, fail_at=config.get("fail_at"))
+    leave_out_unused_backends(args.peft_method, args.qat_enabled, args.model_path or args.model)
     if env.rank == 0:
         args.extra["events"] = elastic_events
     env.resume_dir = req.resume_from
