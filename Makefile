@@ -10,6 +10,8 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memfit-installed
+# Whether DeepSpeed's wheel holds a working async_io op (its load() imports it, after the pin_memory op it needs).
+export DS_AIO_BUILT := import sys; from deepspeed.git_version_info import installed_ops as ops; ops.get("async_io") or sys.exit(1); from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()
 
 .PHONY: install demo test test-fast lint bench docs clean
 
@@ -20,6 +22,16 @@ $(STAMP): pyproject.toml
 	# the range in pyproject.toml is then already met, so no resolver pulls a multi-GB build.
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[train,dev,integrations]"
+	# DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload) compiled here, where libaio's header is, instead of
+	# by the first job that swaps to NVMe (about 3 minutes of two cores); pip's wheel cache keeps that build of
+	# the wheel, so the next install of the same version reuses it. Without the header, jobs compile it on use.
+	# LDFLAGS: DeepSpeed's CPU op builder leaves out the op's -laio when it builds ahead of time (its JIT build
+	# keeps it), and the op would not load ("undefined symbol: io_submit").
+	if [ -e /usr/include/libaio.h ] && ! $(BIN)/python -c "$$DS_AIO_BUILT" 2>/dev/null; then \
+	  $(BIN)/python -m pip cache remove deepspeed >/dev/null 2>&1 || true; \
+	  DS_BUILD_AIO=1 LDFLAGS="-Wl,--no-as-needed -laio" $(BIN)/python -m pip install -q --no-build-isolation --no-deps --force-reinstall \
+	    "$$(grep -o 'deepspeed==[0-9.]*' pyproject.toml)"; \
+	fi
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,9 +39,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/memfit run examples/tiny-lora.yaml
 
-# Two pytest-xdist processes: the shared Ray head's tests run in one (one group, tests/conftest.py), the
-# rest in the other, at the same time. PYTEST_ARGS adds to it (e.g. --durations=30, -n 0 for one process).
-PYTEST := $(BIN)/python -m pytest -q -rfEs -p no:cacheprovider -n 2 --dist loadgroup
+# Two pytest-xdist processes, each running whole test files (a module's fixtures built once; tests/conftest.py).
+# PYTEST_ARGS adds to it (e.g. --durations=30, -n 0 for one process).
+PYTEST := $(BIN)/python -m pytest -q -rfEs -p no:cacheprovider -n 2 --dist loadfile
 
 test: $(STAMP)
 	$(PYTEST) $(PYTEST_ARGS)

@@ -120,10 +120,10 @@ def test_where_async_io_cannot_build_nvme_is_a_422_saying_why(api, tmp_path, mon
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # DeepSpeed compiles its async_io (and cpu_adam) op first: minutes on a loaded 2-core CI machine
+@pytest.mark.timeout(1200)  # without the op built at install (Makefile), DeepSpeed compiles it first: minutes
 def test_zero3_swaps_to_files_trains_exports_and_removes_them(tmp_path):
     """Two gloo ranks, ZeRO-3 with parameters and optimizer states offloaded to files (DeepSpeed's async_io op,
-    built on first use): it trains, the merged export loads, and the job's swap folder is gone at the end."""
+    built at install or on first use): it trains, the merged export loads, and the job's swap folder is gone at the end."""
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
