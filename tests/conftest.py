@@ -268,19 +268,34 @@ def create_job(client, upload_file):
 
 # --- running the suite on two processes (pytest-xdist, `make test`) ------------------------------
 #
-# `make test` runs the suite on two pytest-xdist workers with --dist loadgroup. Every test that uses
-# the session's shared Ray head (the `ray_head` fixture, directly or through a module's stack) is put
-# in one group, so one worker runs them all against one head, as a single process would; the other
-# worker takes the rest (the API and store, the planner, the gloo tests without Ray, the tests that
-# start Ray nodes of their own) at the same time.
+# `make test` runs the suite on two pytest-xdist workers with --dist loadfile: each test file runs whole
+# in one worker, so a module's fixtures (its stack, its finished jobs, its models) are built once. Each
+# worker that runs a test needing the session's Ray head starts one (two heads in all at most), and the
+# two train at the same time. (One xdist group for every Ray test under --dist loadgroup, tried before, was
+# never applied: six tests of one file using `ray_head` ran on both workers, and a module's fixtures — the
+# serving tests' two fine-tunes, say — were built once in each.)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_head" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-            item.add_marker(pytest.mark.ray)  # and out of `make test-fast`
+            item.add_marker(pytest.mark.ray)  # out of `make test-fast` (before -m deselects)
+
+
+class HeavyFilesFirst:
+    """The files that start Ray or train (marked ray or slow) first, the quick ones after: xdist hands out
+    files in collection order, so the last file a worker takes is a short one and neither waits long for
+    the other. Last of the collection hooks, after pytest's own reordering by parametrised fixtures."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        heavy = {item.path for item in items if item.get_closest_marker("ray") or item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in heavy)  # stable: each file's tests keep their order
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(HeavyFilesFirst(), "memfit-heavy-files-first")
 
 
 # --- no silent skips in CI -----------------------------------------------------------------------
