@@ -39,9 +39,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/memfit run examples/tiny-lora.yaml
 
-# Two pytest-xdist processes, each running whole test files (a module's fixtures built once; tests/conftest.py).
+# Two pytest-xdist processes, each running whole test files (a module's fixtures built once), in the order of
+# the collection, heavy files first (tests/conftest.py), not xdist's default of the files with the most tests first.
 # PYTEST_ARGS adds to it (e.g. --durations=30, -n 0 for one process).
-PYTEST := $(BIN)/python -m pytest -q -rfEs -p no:cacheprovider -n 2 --dist loadfile
+PYTEST := $(BIN)/python -m pytest -q -rfEs -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PYTEST) $(PYTEST_ARGS)

@@ -268,6 +268,9 @@ def test_on_postgres_the_get_and_the_page_are_read_on_the_event_loop(client, api
         event.remove(engine, "before_cursor_execute", on_engine)
         api_app.state.reads.observers.remove(on_loop)
     assert first == again and len(first["data"]) == len(made)
+    # A key past half its trust is re-checked in the background through the engine (api/deps.py), which a
+    # loaded machine reaches within these three requests: that check is not a read of the jobs.
+    engine_sql = [q for q in engine_sql if "FROM api_keys" not in q]
     # The fixture moved the jobs to their states behind the API's back, after their views were made
     # (at create): the first page reads the specs of those whose (attempt, queued) moved since — a spec
     # changes only with that (service/jobs/crud.py spec_version: an out-of-memory downshift) — once.
