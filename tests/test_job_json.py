@@ -183,6 +183,11 @@ def test_an_unknown_or_another_tenants_cursor_is_422_even_on_an_empty_page(clien
 _statements: contextvars.ContextVar[list | None] = contextvars.ContextVar("statements", default=None)
 
 
+def background_key_check(sql: str) -> bool:
+    """The key re-check api/deps.py starts in the background past half a key's trust: no request's read."""
+    return sql.lstrip().startswith("SELECT") and "FROM api_keys" in sql
+
+
 @pytest.fixture
 def count_statements(api_app):
     """``with count_statements() as sql:`` the statements the app's engine sends meanwhile (their text)."""
@@ -195,9 +200,6 @@ def count_statements(api_app):
     # A key found valid is re-checked in the background about twice a second (api/deps.py KeyCheck),
     # whatever the requests: that statement belongs to no request, so it is not counted (a request that
     # checked its key itself would show in the statements it sends: the test asserts none names api_keys).
-    def background_key_check(sql: str) -> bool:
-        return sql.lstrip().startswith("SELECT") and "FROM api_keys" in sql
-
     def record(conn, cursor, statement, parameters, context, executemany):
         if not background_key_check(statement):
             seen.append(statement)
@@ -270,7 +272,7 @@ def test_on_postgres_the_get_and_the_page_are_read_on_the_event_loop(client, api
     assert first == again and len(first["data"]) == len(made)
     # A key past half its trust is re-checked in the background through the engine (api/deps.py), which a
     # loaded machine reaches within these three requests: that check is not a read of the jobs.
-    engine_sql = [q for q in engine_sql if "FROM api_keys" not in q]
+    engine_sql = [q for q in engine_sql if not background_key_check(q)]
     # The fixture moved the jobs to their states behind the API's back, after their views were made
     # (at create): the first page reads the specs of those whose (attempt, queued) moved since — a spec
     # changes only with that (service/jobs/crud.py spec_version: an out-of-memory downshift) — once.
