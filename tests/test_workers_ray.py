@@ -153,6 +153,14 @@ def test_lora_ddp_through_the_cli_entrypoint(ray_head, presets, tmp_path):
     ids = torch.tensor([[1, 50, 60, 70, 80]])
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    # The run started Ray Train's controller and its two workers but neither of the actors memfit leaves out
+    # (workers/run.py: TRAIN_ENV, trainer_class): no dataset manager, no preemption watcher, on this head
+    # where every memfit run of the session has run.
+    from ray.util.state import list_actors
+
+    started = {a.class_name for a in list_actors(address=ray_head.dashboard_url, limit=10_000, raise_on_missing_output=False)}
+    assert {"TrainController", "RayTrainWorker"} <= started, started
+    assert not started & {"DatasetManager", "PreemptionWatcher"}, started
 
 
 def test_cli_reports_a_bad_request_as_one_json_line(tmp_path):

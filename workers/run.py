@@ -32,6 +32,12 @@ from workers.models import ModelSourceError, check_model
 from workers.sink import RecordCallback, _ingest_wait_s, failure_records, make_sinks
 
 HEALTH_CHECK_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
+# Ray Train V2 starts a preemption watcher per worker group: an actor (a process that imports Ray, about
+# 1.8 CPU-seconds measured) polling node drain state so that a training function may ask
+# ray.train.get_preemption_info(). memfit's loop never asks; a node that goes away is handled by
+# max_failures and the scheduler. The driver sets this before the trainer is built and Ray Train carries it
+# to the controller, which reads it (a value set by the operator is kept).
+TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 FAILURE_FIELDS = ("code", "message", "param", "rank", "step", "phase")  # service/domain/records.py: FailureRecord
 
 
@@ -156,10 +162,31 @@ def _fail_at_from_env() -> str | None:
     return os.environ.get("MEMFIT_FAIL_AT_STEP") or os.environ.get("MEMFIT_WORKER_FAIL_AT_STEP")
 
 
+def trainer_class():
+    """TorchTrainer without Ray Data's dataset manager. Ray Train V2 starts a DatasetManager actor for
+    every worker group even when no Ray dataset is passed (another process importing Ray and Ray Data,
+    1.5–2 CPU-seconds measured); memfit passes none (each rank reads its JSONL file), so it leaves that
+    callback out. Pinned to Ray 2.60's private ``_create_default_callbacks``: tests/test_workers_ray.py
+    fails if a run starts the actor again or the hook goes away."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    return Trainer
+
+
 def build_trainer(req: RunRequest, fail_at: str | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
+    for name, value in TRAIN_ENV.items():
+        os.environ.setdefault(name, value)
     t = req.spec.training
     res = t.resources
     use_gpu = res.gpus_per_worker > 0
@@ -171,7 +198,7 @@ def build_trainer(req: RunRequest, fail_at: str | None = None):
                               integrations=[i.model_dump(mode="json") for i in req.spec.integrations or []],
                               config=req.spec.model_dump(mode="json", exclude={"integrations"}),
                               remote=(req.output_dir, req.object_store, req.output_uri) if req.object_store else None)
-    return TorchTrainer(
+    return trainer_class()(
         train_loop_per_worker,
         # The workers never post records (the controller's callback does): they do not get the token.
         train_loop_config={"request": req.model_dump(mode="json", exclude={"ingest_token"}),
