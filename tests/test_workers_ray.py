@@ -1,7 +1,12 @@
-"""Training on the session's shared Ray cluster through Ray Train (TorchTrainer, gloo, 2 workers):
-each strategy learns, artifacts load back, the JSON-lines sink gets per-rank records, a worker killed
-on purpose is restarted from the latest checkpoint, and a second driver run with the same RunConfig
-name resumes instead of starting over."""
+"""Training through Ray Train on the session's shared Ray cluster (TorchTrainer, gloo, 2 workers): the
+JSON-lines sink gets per-rank records, a worker killed on purpose is restarted from the latest checkpoint, a
+second driver run with the same RunConfig name resumes instead of starting over, and the CLI entrypoint runs
+as the scheduler runs it. Each strategy's own claims (it learns, its artefacts load back, what each rank holds)
+are checked on two gloo ranks forked locally (workers/local.py: the very training function a Ray worker runs,
+its reports turned into records by the sink's report_to_records, as Ray Train's callback does), without the
+fixed cost of a Ray Train run (a driver, a controller and its helper actors, and two rank processes importing
+torch: about 20 CPU-seconds a run); every strategy also runs through Ray and over HTTP in tests/test_e2e.py,
+tests/test_multinode.py, tests/test_checkpoint_sharded_ray.py and tests/test_load_memory.py."""
 
 from __future__ import annotations
 
@@ -53,6 +58,18 @@ def _losses(records: list[dict], rank: int = 0) -> list[float]:
     """Loss per step of one rank, in step order; a step reported twice (after a restart) counts once."""
     by_step = {r["step"]: r["loss"] for r in records if r["kind"] == "metrics" and r["rank"] == rank}
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _train_locally(req: RunRequest) -> list[dict]:
+    """Train ``req`` on its number of gloo ranks forked locally; the records Ray Train's callback would have made
+    of the ranks' reports (workers/sink.py: report_to_records), in report order."""
+    from workers.args import train_args
+    from workers.local import run_local
+    from workers.sink import report_to_records
+
+    ranks = run_local(train_args(req, fail_at=""), world_size=req.spec.training.resources.num_workers)
+    return [record for per_rank in zip(*(r["reports"] for r in ranks), strict=True)
+            for record in report_to_records(list(per_rank), None, attempt=1)]
 
 
 def _assert_learns_and_loads(req: RunRequest, records: list[dict]) -> None:
@@ -174,14 +191,11 @@ def test_cli_reports_a_bad_request_as_one_json_line(tmp_path):
     assert {"training_path", "spec.training_file"} <= {e["param"] for e in error["errors"]}
 
 
-def test_fsdp_two_workers_learn_and_each_holds_half_the_parameters(ray_session, presets, tmp_path):
+def test_fsdp_two_workers_learn_and_each_holds_half_the_parameters(presets, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from workers.run import fit
-
     req = _request(tmp_path, "ftjob-fsdp", presets["tiny-qwen2"], {"strategy": "fsdp"}, data="text.jsonl")
-    fit(req)
-    records = _records(req)
+    records = _train_locally(req)
     _assert_learns_and_loads(req, records)
     full = AutoModelForCausalLM.from_pretrained(presets["tiny-qwen2"])
     full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
@@ -191,26 +205,20 @@ def test_fsdp_two_workers_learn_and_each_holds_half_the_parameters(ray_session, 
         assert 0.45 * full_bytes <= held <= 0.55 * full_bytes, (rank, held, full_bytes)
 
 
-def test_fsdp_bf16_checkpointing_and_cpu_offload(ray_session, presets, tmp_path):
-    from workers.run import fit
-
+def test_fsdp_bf16_checkpointing_and_cpu_offload(presets, tmp_path):
     req = _request(tmp_path, "ftjob-fsdp-off", presets["tiny-llama"],
                    {"strategy": "fsdp", "precision": "bf16", "gradient_checkpointing": True,
                     "fsdp": {"cpu_offload": True, "reshard_after_forward": False}})
-    fit(req)
-    _assert_learns_and_loads(req, _records(req))
+    _assert_learns_and_loads(req, _train_locally(req))
 
 
-def test_lora_bf16_ddp_holds_the_frozen_base_in_bf16(ray_session, presets, tmp_path):
+def test_lora_bf16_ddp_holds_the_frozen_base_in_bf16(presets, tmp_path):
     from transformers import AutoModelForCausalLM
-
-    from workers.run import fit
 
     req = _request(tmp_path, "ftjob-lora-bf16", presets["tiny-llama"],
                    {"strategy": "ddp", "precision": "bf16", "peft": {"method": "lora", "r": 8},
                     "hyperparameters": {"learning_rate": 0.03}})
-    fit(req)
-    records = _records(req)
+    records = _train_locally(req)
     losses = _losses(records)
     assert losses[-1] < losses[0] - 0.2, losses
     assert _losses(records, 1) == pytest.approx(losses, rel=1e-5)
@@ -227,12 +235,9 @@ def test_lora_bf16_ddp_holds_the_frozen_base_in_bf16(ray_session, presets, tmp_p
     [(2, "none", "none", "fp32"), (2, "cpu", "none", "bf16"), (3, "none", "none", "bf16"), (3, "cpu", "cpu", "fp32")],
     ids=["zero2", "zero2-offload-bf16", "zero3-bf16", "zero3-offload"],
 )
-def test_deepspeed_two_workers_learn(ray_session, presets, tmp_path, stage, offload_optimizer, offload_param, precision):
-    from workers.run import fit
-
+def test_deepspeed_two_workers_learn(presets, tmp_path, stage, offload_optimizer, offload_param, precision):
     req = _request(tmp_path, f"ftjob-ds{stage}-{offload_optimizer}", presets["tiny-llama"],
                    {"strategy": "deepspeed", "precision": precision,
                     "deepspeed": {"zero_stage": stage, "offload_optimizer": offload_optimizer,
                                   "offload_param": offload_param}})
-    fit(req)
-    _assert_learns_and_loads(req, _records(req))
+    _assert_learns_and_loads(req, _train_locally(req))
