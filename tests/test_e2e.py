@@ -123,14 +123,8 @@ def test_a_job_on_chat_data_peaks_where_its_data_plan_says(stack):
     assert job["memory"]["planned_for_data"] and abs(job["memory"]["error"]) <= 0.03
 
 
-def test_fsdp_full_fine_tune_over_http_succeeds(stack):
-    job_id = stack.create(strategy="fsdp", hyperparameters={"max_steps": 4}, checkpoint_every_steps=2)
-    job = stack.wait(job_id, ("succeeded",))
-    assert stack.metrics_steps(job_id, 0) == [1, 2, 3, 4]
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(stack.artifacts(job)["model"])
-    assert sum(p.numel() for p in model.parameters()) > 0
+# An FSDP full fine-tune over HTTP, its steps in order and its exported model loading back: tests/test_multinode.py's
+# test_an_fsdp_job_spans_two_nodes (the same job, its two ranks on two nodes).
 
 
 def test_pipeline_job_over_http_survives_a_killed_stage_and_exports_one_model(stack, ray_head):

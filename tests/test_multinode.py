@@ -87,6 +87,11 @@ def test_an_fsdp_job_spans_two_nodes(cluster, stack):
     assert sorted(placed) == [0, 1] and len(set(placed.values())) == 2 and set(placed.values()) <= worker_nodes, placed
     assert stack.metrics_steps(job_id, 0) == list(range(1, 13)) and stack.metrics_steps(job_id, 1) == list(range(1, 13))
     assert job["fine_tuned_model"]
+    # The full fine-tune over HTTP exports one model that loads (tests/test_e2e.py's other strategies' twin).
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(stack.artifacts(job)["model"])
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 def test_a_ddp_job_spans_two_nodes_and_survives_losing_one(cluster, stack):
