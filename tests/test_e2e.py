@@ -127,7 +127,17 @@ def test_a_job_on_chat_data_peaks_where_its_data_plan_says(stack):
 # test_an_fsdp_job_spans_two_nodes (the same job, its two ranks on two nodes).
 
 
-def test_pipeline_job_over_http_survives_a_killed_stage_and_exports_one_model(stack, ray_head):
+@pytest.fixture
+def paced(stack):
+    """Half a second after each step for the jobs the stack's scheduler submits meanwhile (workers/steps.py:
+    MEMFIT_WORKER_STEP_PAUSE_S, no CPU used): a fault injected mid-run must land before a loaded machine has run
+    the whole tiny job."""
+    stack.scheduler.extra_env["MEMFIT_WORKER_STEP_PAUSE_S"] = "0.5"
+    yield
+    stack.scheduler.extra_env.pop("MEMFIT_WORKER_STEP_PAUSE_S", None)
+
+
+def test_pipeline_job_over_http_survives_a_killed_stage_and_exports_one_model(stack, ray_head, paced):
     """Two pipeline stages on two Ray Train workers (LoRA): a stage's worker killed after the first
     checkpoint, Ray Train restarts the group, each stage reloads its own file of that checkpoint, and the
     job ends with one adapter folder and a merged model that from_pretrained loads."""

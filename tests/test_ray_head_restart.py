@@ -109,6 +109,9 @@ def test_the_head_restarts_mid_job_and_attempt_2_resumes_from_the_latest_checkpo
     with new_database() as url:
         stack = Stack(url, tmp_path / "storage", head)
         stack.start_scheduler()
+        # Half a second after each step (workers/steps.py: MEMFIT_WORKER_STEP_PAUSE_S, no CPU used): on a loaded
+        # machine the 36 tiny steps after the first checkpoint once ended before the head was killed.
+        stack.scheduler.extra_env["MEMFIT_WORKER_STEP_PAUSE_S"] = "0.5"
         try:
             job_id = stack.create(hyperparameters={"max_steps": STEPS}, checkpoint_every_steps=4)
             resumed_at = wait_for_checkpoint(stack, job_id, 4)

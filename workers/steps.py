@@ -380,6 +380,7 @@ def make_telemetry(args: TrainArgs, env: WorkerEnv, model, optimizer, strategy: 
 
 STALL_ENV = "MEMFIT_WORKER_STALL_AT"
 LEAK_ENV = "MEMFIT_WORKER_LEAK_BYTES"
+PAUSE_ENV = "MEMFIT_WORKER_STEP_PAUSE_S"
 _LEAKED: list[torch.Tensor] = []  # MEMFIT_WORKER_LEAK_BYTES: what the test-only leak keeps
 
 
@@ -388,7 +389,13 @@ def maybe_inject_failure(args: TrainArgs, env: WorkerEnv, step: int) -> None:
     MEMFIT_WORKER_LEAK_BYTES=<bytes>[:<rank>]: after every step that rank keeps one more tensor of that size (the
     memory alarms' test: service/memory/alarms.py).
     MEMFIT_WORKER_STALL_AT=<step>:<attempt>: rank 0 of that memfit attempt hangs after that step, as
-    a rank whose peer's node vanished waits in a collective (the scheduler forwards MEMFIT_WORKER_*)."""
+    a rank whose peer's node vanished waits in a collective (the scheduler forwards MEMFIT_WORKER_*).
+    MEMFIT_WORKER_STEP_PAUSE_S=<seconds>: every rank sleeps that long after each step, so that a fault test's
+    run lasts on a loaded machine without using its CPU, and the fault (a killed worker, a head restart) lands
+    mid-run rather than after the tiny run has ended."""
+    pause = os.environ.get(PAUSE_ENV)
+    if pause:
+        time.sleep(float(pause))
     leak = os.environ.get(LEAK_ENV)
     if leak:  # test-only: a tensor kept across steps, as a loss summed with its graph keeps its activations
         size, _, rank = leak.partition(":")
