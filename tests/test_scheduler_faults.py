@@ -214,6 +214,22 @@ def test_no_ray_call_outlives_half_a_lease(env, silent_head, monkeypatch):
         assert time.monotonic() - t0 < settings.lease_seconds  # given up while the lease still holds
 
 
+def test_making_a_ray_client_leaves_the_environment_alone(silent_head, monkeypatch):
+    # The override is defeated for memfit's client without touching os.environ: the rest of the process
+    # (and a test's monkeypatch undoing its change meanwhile) sees the variable as it was all along.
+    # CI once lost a test to the older way, which hid it while a client was made and put it back after.
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:1")
+    ray = RayJobs(silent_head)
+    ray.call_timeout_s = 1
+    with pytest.raises(RayUnavailable, match="did not answer"):
+        ray.status("memfit-x-1")  # the client is still being made: the silent head never answers
+    assert os.environ["RAY_API_SERVER_ADDRESS"] == "http://127.0.0.1:1"
+    from ray.dashboard.modules.job import sdk
+
+    # another thread's client is resolved as Ray resolves it (the environment wins there)
+    assert sdk.get_address_for_submission_client("http://127.0.0.1:2") == "http://127.0.0.1:1"
+
+
 def test_leases_are_renewed_while_a_tick_is_slow(env, monkeypatch):
     """A tick held up (here: a validation reading big files) for longer than the lease must not let
     the scheduler's running jobs be adopted: the leases are renewed from a thread of their own."""

@@ -245,20 +245,33 @@ class RayJobs:
 # Ray's SDK lets RAY_API_SERVER_ADDRESS or RAY_ADDRESS in the environment override the address a
 # JobSubmissionClient is given ("always overridden", ray.dashboard.utils): a scheduler running where
 # either is set — a Ray pod, a shell that ran `ray start` — would silently talk to that cluster
-# instead of MEMFIT_RAY_ADDRESS. The client reads them once, when made: hide them for that moment.
-_ADDRESS_OVERRIDES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
-_env_lock = threading.Lock()
+# instead of MEMFIT_RAY_ADDRESS. memfit's address is already the Jobs API's URL (RayJobs adds the
+# scheme), which is all that lookup returns without the environment; so the SDK's lookup is wrapped,
+# once, to answer a client memfit makes with its own URL (per thread: another thread's client is
+# resolved as Ray would). The environment is left alone: hiding the variables while a client was made
+# (as memfit did) raced with anything else setting or clearing them and could put a cleared value
+# back for good, and held a lock for as long as a hung head took to answer.
+_made_by_memfit = threading.local()
+_wrap_lock = threading.Lock()
 
 
 def _client_for(address: str):
-    from ray.job_submission import JobSubmissionClient
+    from ray.dashboard.modules.job import sdk
 
-    with _env_lock:
-        hidden = {k: os.environ.pop(k) for k in _ADDRESS_OVERRIDES if k in os.environ}
-        try:
-            return JobSubmissionClient(address)
-        finally:
-            os.environ.update(hidden)
+    with _wrap_lock:
+        if not getattr(sdk.get_address_for_submission_client, "memfit", False):
+            ray_lookup = sdk.get_address_for_submission_client
+
+            def lookup(given):
+                return getattr(_made_by_memfit, "url", None) or ray_lookup(given)
+
+            lookup.memfit = True
+            sdk.get_address_for_submission_client = lookup
+    _made_by_memfit.url = address
+    try:
+        return sdk.JobSubmissionClient(address)
+    finally:
+        _made_by_memfit.url = None
 
 
 def _code_dirs() -> list[Path]:
