@@ -295,6 +295,8 @@ def test_a_collective_output_freed_on_gloo_thread_is_not_counted_live_by_a_trace
     from workers.telemetry import MemoryTrace, summarize_profile
 
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)  # gloo's own worker thread, no default group
+    # the threads a wait settles on (past the pause, while one is runnable): found by their name
+    assert telemetry.gloo_thread_states(), "no pt_gloo_runloop thread: a wait on a loaded machine would not settle"
     cpu = torch.device("cpu")
     out_bytes = 250_000 * 4
     original = (Work.wait, funcol.wait_tensor)

@@ -919,9 +919,16 @@ class _CollectiveWaits:
     CPU runs every collective synchronously (its all-gathers and reduce-scatters wait on their Work before
     returning; the stream events it then waits on are no-ops), so the pause moves no allocation of the main
     thread: with it every FSDP2 config of bench/memory_accuracy.py peaks at one level at every step and rank,
-    where without it the same config read up to four levels, by whole units, from step to step."""
+    where without it the same config read up to four levels, by whole units, from step to step.
+
+    A fixed pause is not enough on a loaded machine: gloo's thread may not be given a core within it (CI
+    once read one decoder block's reduce-scatter buffer at one step of six, FSDP2 on two cores shared with
+    another job's ranks). So after the pause the wait goes on, up to ``SETTLE_S``, while any of this
+    process's gloo threads (``pt_gloo_runloop``) is runnable: one that has let go of its work sleeps on
+    its queue again."""
 
     PAUSE_S = 0.003
+    SETTLE_S = 0.05
 
     def __init__(self) -> None:
         self._saved: list[tuple[Any, str, Any]] = []
@@ -936,19 +943,27 @@ class _CollectiveWaits:
             return
         pause = self.PAUSE_S
 
+        settle = self.settle
+
         def work_wait(work, *args, _wait=Work.wait, **kwargs):
             out = _wait(work, *args, **kwargs)
-            time.sleep(pause)
+            settle(pause)
             return out
 
         def wait_tensor(tensor, _wait=funcol.wait_tensor):
             out = _wait(tensor)
-            time.sleep(pause)
+            settle(pause)
             return out
 
         self._saved = [(Work, "wait", Work.wait), (funcol, "wait_tensor", funcol.wait_tensor)]
         Work.wait = work_wait
         funcol.wait_tensor = wait_tensor
+
+    def settle(self, pause: float) -> None:
+        time.sleep(pause)
+        deadline = time.monotonic() + self.SETTLE_S
+        while time.monotonic() < deadline and any(state == "R" for state in gloo_thread_states().values()):
+            time.sleep(0.001)
 
     def remove(self) -> None:
         for owner, name, original in self._saved:
@@ -957,6 +972,31 @@ class _CollectiveWaits:
 
 
 _WAITS = _CollectiveWaits()
+_thread_names: dict[str, str] = {}  # this process's thread ids -> their names (a thread keeps its name)
+
+
+def gloo_thread_states() -> dict[str, str]:
+    """The scheduler state (``R`` runnable, ``S`` sleeping, …: proc(5)) of each of this process's gloo worker
+    threads (ProcessGroupGloo names them ``pt_gloo_runloop``), by thread id; {} off Linux."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    states = {}
+    for tid in tids:
+        try:
+            name = _thread_names.get(tid)
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = _thread_names[tid] = f.read().strip()
+            if name == "pt_gloo_runloop":
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    states[tid] = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # the thread ended meanwhile
+            _thread_names.pop(tid, None)
+    for gone in _thread_names.keys() - set(tids):  # thread ids are reused: forget the names of ended threads
+        del _thread_names[gone]
+    return states
 
 
 def summarize_profile(events, device: torch.device, base_live_bytes: int) -> dict[str, Any]:
