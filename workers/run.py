@@ -366,6 +366,32 @@ def abort_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
+def supervisor_temp_dir() -> str | None:
+    """The temp dir of the Ray node whose job supervisor started this driver, or None.
+
+    A driver attaches to a raylet of its host, and where a host runs several Ray nodes Ray picks the head's
+    (ray._private.services.get_node_to_connect_for_driver) unless told the node's temp dir. Ray Train pins
+    its controller to the driver's node: a driver running on a worker node but attached to the head would
+    have its controller on the head, and a head restart would take the run with it although the driver's
+    node lives on. The supervisor is an ancestor of this process (a Ray worker, RAY_RAYLET_PID in its
+    environment, which Ray strips from the driver's), and its raylet's command line names the temp dir.
+    One node per host, as on Kubernetes, gives the same node either way."""
+    pid = os.getppid()
+    try:
+        for _ in range(4):  # the supervisor, or the shell it ran the entrypoint in, and so on
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            raylet = next((e.split(b"=", 1)[1] for e in env if e.startswith(b"RAY_RAYLET_PID=")), None)
+            if raylet is not None:
+                args = Path(f"/proc/{int(raylet)}/cmdline").read_bytes().split(b"\0")
+                return next((a.split(b"=", 1)[1].decode() for a in args if a.startswith(b"--temp_dir=")), None)
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if pid <= 1:
+                return None
+    except (OSError, ValueError):  # not Linux, another user's process, a process gone meanwhile
+        return None
+    return None
+
+
 def init_ray() -> None:
     import ray
 
@@ -373,7 +399,7 @@ def init_ray() -> None:
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address="auto", log_to_driver=True)
+        ray.init(address="auto", log_to_driver=True, _temp_dir=supervisor_temp_dir())
     else:
         ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": HEALTH_CHECK_ENV})
 
