@@ -995,7 +995,7 @@ def gloo_thread_states() -> dict[str, str]:
         except OSError:  # the thread ended meanwhile
             _thread_names.pop(tid, None)
     for gone in _thread_names.keys() - set(tids):  # thread ids are reused: forget the names of ended threads
-        del _thread_names[gone]
+        _thread_names.pop(gone, None)
     return states
 
 
