@@ -295,7 +295,11 @@ def test_a_collective_output_freed_on_gloo_thread_is_not_counted_live_by_a_trace
     from workers.telemetry import MemoryTrace, summarize_profile
 
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)  # gloo's own worker thread, no default group
-    # the threads a wait settles on (past the pause, while one is runnable): found by their name
+    # the threads a wait settles on (past the pause, while one is runnable): found by the name each gives
+    # itself as it starts (a moment after the group is made)
+    deadline = time.monotonic() + 10
+    while not telemetry.gloo_thread_states() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert telemetry.gloo_thread_states(), "no pt_gloo_runloop thread: a wait on a loaded machine would not settle"
     cpu = torch.device("cpu")
     out_bytes = 250_000 * 4

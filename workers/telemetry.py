@@ -972,7 +972,7 @@ class _CollectiveWaits:
 
 
 _WAITS = _CollectiveWaits()
-_thread_names: dict[str, str] = {}  # this process's thread ids -> their names (a thread keeps its name)
+_thread_names: dict[str, str] = {}  # this process's thread ids -> the names they gave themselves
 
 
 def gloo_thread_states() -> dict[str, str]:
@@ -980,6 +980,8 @@ def gloo_thread_states() -> dict[str, str]:
     threads (ProcessGroupGloo names them ``pt_gloo_runloop``), by thread id; {} off Linux."""
     try:
         tids = os.listdir("/proc/self/task")
+        with open("/proc/self/comm") as f:
+            inherited = f.read().strip()  # a new thread's name until it names itself (gloo's do as they start)
     except OSError:
         return {}
     states = {}
@@ -988,7 +990,9 @@ def gloo_thread_states() -> dict[str, str]:
             name = _thread_names.get(tid)
             if name is None:
                 with open(f"/proc/self/task/{tid}/comm") as f:
-                    name = _thread_names[tid] = f.read().strip()
+                    name = f.read().strip()
+                if name != inherited:
+                    _thread_names[tid] = name
             if name == "pt_gloo_runloop":
                 with open(f"/proc/self/task/{tid}/stat") as f:
                     states[tid] = f.read().rsplit(")", 1)[1].split()[0]
