@@ -33,6 +33,16 @@ def alive_nodes(head: LocalRayHead) -> list[dict]:
     return [n for n in nodes if n.get("state") == "ALIVE"]
 
 
+def alive_actors(head: LocalRayHead) -> list[dict]:
+    """The head's live actors, from its dashboard's state API over HTTP (ray.util.state would ask the cluster
+    that RAY_ADDRESS names instead, the session head's where a test has started it)."""
+    url = f"{head.dashboard_url}/api/v0/actors?limit=1000&detail=true"
+    with urllib.request.urlopen(url, timeout=30) as r:
+        body = json.loads(r.read())
+    actors = ((body.get("data") or {}).get("result") or {}).get("result") or []
+    return [a for a in actors if a.get("state") == "ALIVE"]
+
+
 @dataclass
 class RayNode:
     head: LocalRayHead

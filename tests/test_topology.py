@@ -47,7 +47,7 @@ from service.scheduler.local_head import LocalRayHead, free_port
 from service.scheduler.paths import submission_id
 from service.scheduler.ray_jobs import RayJobs
 from service.store.models import Job, JobEvent
-from tests.ray_nodes import RayNode, alive_nodes
+from tests.ray_nodes import RayNode, alive_actors, alive_nodes
 from tests.stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -165,13 +165,9 @@ def test_the_head_restarts_mid_job_and_the_run_goes_on_without_a_resubmission(cl
     drivers = _wait(lambda: driver_node(stack, old, nodes, job_id), 60, "the driver's node")
     # Ray Train pins its controller to the driver's node (workers/run.py: supervisor_temp_dir): a worker
     # node here, so the head's loss does not take the controller with it
-    from ray.util.state import list_actors
-
     names = {n["node_id"]: n.get("node_name") for n in alive_nodes(old)}
-    actors = list_actors(address=old.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000,
-                         raise_on_missing_output=False, detail=True)
-    [controller] = [a for a in actors if a.class_name == "TrainController"]
-    assert names[controller.node_id] == drivers.name, (names, controller)
+    [controller] = [a for a in alive_actors(old) if a.get("class_name") == "TrainController"]
+    assert names.get(controller.get("node_id")) == drivers.name, (names, controller)
 
     killed_at = time.monotonic()
     old.ownership.end(timeout_s=10.0)  # the head pod's processes, all at once; the worker nodes are pods of their own
