@@ -26,21 +26,21 @@ from service.ports import free_ports
 from service.scheduler.local_head import LocalRayHead, ray_env
 
 
-def alive_nodes(head: LocalRayHead) -> list[dict]:
-    with urllib.request.urlopen(f"{head.dashboard_url}/api/v0/nodes?limit=100", timeout=10) as r:
+def _alive(head: LocalRayHead, query: str, timeout_s: float) -> list[dict]:
+    """What the head's dashboard lists (its state API over HTTP: ray.util.state would ask the cluster that
+    RAY_ADDRESS names instead, the session head's where a test has started it), the live ones."""
+    with urllib.request.urlopen(f"{head.dashboard_url}/api/v0/{query}", timeout=timeout_s) as r:
         body = json.loads(r.read())
-    nodes = ((body.get("data") or {}).get("result") or {}).get("result") or []
-    return [n for n in nodes if n.get("state") == "ALIVE"]
+    listed = ((body.get("data") or {}).get("result") or {}).get("result") or []
+    return [x for x in listed if x.get("state") == "ALIVE"]
+
+
+def alive_nodes(head: LocalRayHead) -> list[dict]:
+    return _alive(head, "nodes?limit=100", 10)
 
 
 def alive_actors(head: LocalRayHead) -> list[dict]:
-    """The head's live actors, from its dashboard's state API over HTTP (ray.util.state would ask the cluster
-    that RAY_ADDRESS names instead, the session head's where a test has started it)."""
-    url = f"{head.dashboard_url}/api/v0/actors?limit=1000&detail=true"
-    with urllib.request.urlopen(url, timeout=30) as r:
-        body = json.loads(r.read())
-    actors = ((body.get("data") or {}).get("result") or {}).get("result") or []
-    return [a for a in actors if a.get("state") == "ALIVE"]
+    return _alive(head, "actors?limit=1000&detail=true", 30)
 
 
 @dataclass
