@@ -941,26 +941,24 @@ class _CollectiveWaits:
             import torch.distributed._functional_collectives as funcol
         except ImportError:  # a torch without distributed
             return
-        pause = self.PAUSE_S
-
         settle = self.settle
 
         def work_wait(work, *args, _wait=Work.wait, **kwargs):
             out = _wait(work, *args, **kwargs)
-            settle(pause)
+            settle()
             return out
 
         def wait_tensor(tensor, _wait=funcol.wait_tensor):
             out = _wait(tensor)
-            settle(pause)
+            settle()
             return out
 
         self._saved = [(Work, "wait", Work.wait), (funcol, "wait_tensor", funcol.wait_tensor)]
         Work.wait = work_wait
         funcol.wait_tensor = wait_tensor
 
-    def settle(self, pause: float) -> None:
-        time.sleep(pause)
+    def settle(self) -> None:
+        time.sleep(self.PAUSE_S)
         deadline = time.monotonic() + self.SETTLE_S
         while time.monotonic() < deadline and any(state == "R" for state in gloo_thread_states().values()):
             time.sleep(0.001)
